@@ -1,0 +1,1 @@
+"""The borrowd controller: control laws, supervisor, the daemon loop and the CLI."""

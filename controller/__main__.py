@@ -1,0 +1,7 @@
+"""`python -m controller` runs the borrowd CLI."""
+
+import sys
+
+from controller.cli import main
+
+sys.exit(main())

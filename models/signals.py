@@ -1,0 +1,61 @@
+"""What the controller observes about one pool at one tick.
+
+Produced by a `MetricsSource` (Prometheus in production, the simulator in tests and
+benchmarks). A value of NaN means "not measured"; the supervisor treats it as not safe.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+NAN = float("nan")
+
+
+@dataclass(frozen=True)
+class Slo:
+    """Interactive service-level objectives of a pool."""
+
+    ttft_p95_s: float = 1.0
+    itl_p95_s: float = 0.050
+    success_rate: float = 0.99
+
+
+@dataclass(frozen=True)
+class Observation:
+    """Signals of one pool over the controller's sliding window, ending at `now_s`.
+
+    Latencies are interactive-class quantiles in seconds; `*_norm` helpers divide by the SLO
+    so that 1.0 is the SLO line. `age_s` is how old the freshest sample behind these numbers
+    is (staleness); a source that could not answer returns NaN fields.
+    """
+
+    now_s: float
+    age_s: float
+    ttft_p95_s: float = NAN
+    itl_p95_s: float = NAN
+    success_rate: float = NAN
+    kv_usage_frac: float = NAN
+    interactive_queue_depth: float = NAN
+    interactive_oldest_wait_s: float = NAN
+    preemptions_per_s: float = NAN
+    interactive_tokens_per_s: float = NAN
+    batch_tokens_per_s: float = NAN
+    batch_running_seqs: float = NAN
+    interactive_requests: float = NAN
+
+    def missing(self) -> list[str]:
+        """Names of the fields that are NaN (not measured)."""
+        return [
+            f.name
+            for f in fields(self)
+            if isinstance(getattr(self, f.name), float) and math.isnan(getattr(self, f.name))
+        ]
+
+    def ttft_norm(self, slo: Slo) -> float:
+        """p95 TTFT divided by its SLO."""
+        return self.ttft_p95_s / slo.ttft_p95_s
+
+    def itl_norm(self, slo: Slo) -> float:
+        """p95 ITL divided by its SLO."""
+        return self.itl_p95_s / slo.itl_p95_s

@@ -1,0 +1,1 @@
+"""Test support: real servers started on free loopback ports, stopped by their PIDs."""
