@@ -1,0 +1,463 @@
+"""One simulated vLLM V1 engine replica: the scheduler, the KV block pool and step timing.
+
+The scheduler mirrors vLLM V1's `Scheduler.schedule()` (vllm/v1/core/sched/scheduler.py):
+
+1. Token budget `max_num_batched_tokens` per step.
+2. RUNNING requests first, in list order. Each gets `num_tokens - computed_tokens` tokens,
+   capped by `long_prefill_token_threshold` (when > 0), by the budget left and by
+   `max_model_len - 1 - computed_tokens`. Its KV slots are allocated; when the pool is
+   short, a victim is preempted and the allocation retried: under the priority policy the
+   running request with the largest (priority, arrival_s) (if it was already scheduled this
+   step its tokens go back to the budget), under FCFS the last running request. A preempted
+   request frees all its blocks, restarts from `computed_tokens = 0` (recompute) and goes
+   back to the front of the waiting queue. If the victim is the request being scheduled,
+   the RUNNING pass stops.
+3. WAITING requests next, only when nothing was preempted in this step, while budget is
+   left and fewer than `max_num_seqs` run: the head of the queue (FCFS order, or the lowest
+   (priority, arrival_s, request_id) under the priority policy) gets its first chunk. It is
+   admitted only if the KV pool holds blocks for its whole prompt (`admit_full_prompt`,
+   default; the blocks are reserved at admission) or, as vLLM itself does, for the first
+   chunk (`admit_full_prompt=False`); otherwise the WAITING pass stops (head-of-line).
+4. After the step, `computed_tokens` of every scheduled request has advanced; each request
+   whose `computed_tokens == num_tokens` emits one token; a request finishes when its output
+   reaches `max_output_tokens`, and its blocks are freed.
+
+Prefix caching is off (every preempted or resubmitted request recomputes from scratch).
+
+API (all times are in the caller's clock, seconds; the engine keeps no clock of its own):
+
+    engine = Engine(EngineConfig.for_profile(profile), profile)
+    engine.add_request(req) -> bool           # False: refused (req.status REFUSED, req.error)
+    out = engine.schedule()                   # SchedulerOutput (frozen), advances progress
+    res = engine.update_from_output(out, start_s)  # StepResult: duration from the profile
+    res = engine.step(start_s)                # schedule + update; None when idle
+    engine.abort_request(request_id) -> Request | None  # frees its KV at once
+    engine.has_work(), engine.kv_usage_frac(), engine.free_blocks
+    engine.num_running(klass), engine.num_waiting(klass), engine.running, engine.requests
+
+`StepResult` says how long the step took (`duration_s`, `end_s`), which requests emitted a
+token (`emitted`; `first_tokens` for first ones), which finished and which were preempted,
+and aggregates interactive inter-token gaps: `itl_steady` tokens whose gap was exactly this
+step, `itl_other_s` the other gaps (after a stall or a preemption).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass, field
+
+from models.errors import ConfigError
+from models.sim.profiles import StepProfile
+from models.sim.request import (
+    ABORTED,
+    BATCH,
+    FINISHED,
+    INTERACTIVE,
+    PREEMPTED,
+    REFUSED,
+    RUNNING,
+    WAITING,
+    Request,
+)
+
+FCFS = "fcfs"
+PRIORITY = "priority"
+POLICIES = (FCFS, PRIORITY)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Scheduler and cache settings of one replica (vLLM's names and defaults where any)."""
+
+    num_gpu_blocks: int
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    block_size: int = 16
+    long_prefill_token_threshold: int = 0
+    policy: str = PRIORITY
+    max_model_len: int = 131072
+    admit_full_prompt: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("num_gpu_blocks", "max_num_batched_tokens", "max_num_seqs", "block_size"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"engine {name} must be > 0, got {getattr(self, name)!r}")
+        if self.long_prefill_token_threshold < 0:
+            raise ConfigError(
+                "engine long_prefill_token_threshold must be >= 0, "
+                f"got {self.long_prefill_token_threshold!r}"
+            )
+        if self.policy not in POLICIES:
+            raise ConfigError(f"engine policy must be one of {POLICIES}, got {self.policy!r}")
+        if not 0 < self.max_model_len <= self.num_gpu_blocks * self.block_size:
+            raise ConfigError(
+                f"engine max_model_len {self.max_model_len} must be > 0 and fit in the KV "
+                f"cache of {self.num_gpu_blocks * self.block_size} tokens"
+            )
+
+    @classmethod
+    def for_profile(cls, profile: StepProfile, **overrides: object) -> EngineConfig:
+        """Config whose KV pool holds the profile's KV capacity, with `overrides` applied."""
+        block_size = int(overrides.get("block_size", 16))  # type: ignore[arg-type]
+        kw: dict[str, object] = {"num_gpu_blocks": profile.kv_capacity_tokens // block_size}
+        kw.update(overrides)
+        return cls(**kw)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    """What one step computes: tokens per request id, and who was preempted to make room."""
+
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    preempted_req_ids: tuple[str, ...]
+    decode_kv_tokens: int
+    prefill_pairs: int
+    scheduled: tuple[tuple[Request, int], ...] = field(repr=False, compare=False)
+    preempted: tuple[Request, ...] = field(repr=False, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """Outcome of one step: timing, token emissions, finishes, preemptions, ITL aggregate."""
+
+    start_s: float
+    duration_s: float
+    end_s: float
+    scheduled_tokens: int
+    interactive_tokens: int
+    batch_tokens: int
+    emitted: list[Request]
+    first_tokens: list[Request]
+    finished: list[Request]
+    preempted: list[Request]
+    itl_steady: int
+    itl_other_s: list[float]
+    running_interactive: int
+    running_batch: int
+
+
+class Engine:
+    """One replica: vLLM V1 scheduling over a fixed KV block pool, timed by a profile."""
+
+    def __init__(self, config: EngineConfig, profile: StepProfile) -> None:
+        self.config = config
+        self.profile = profile
+        self.free_blocks = config.num_gpu_blocks
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._priority = config.policy == PRIORITY
+        self._fifo: deque[Request] = deque()
+        self._heap: list[tuple[int, float, str, Request]] = []
+        self._waiting_count = {INTERACTIVE: 0, BATCH: 0}
+        self._running_count = {INTERACTIVE: 0, BATCH: 0}
+        self.num_preemptions = 0
+        self._segments = profile.linear_coefficients()
+        self._last_output: SchedulerOutput | None = None
+
+    # -- queue helpers ---------------------------------------------------------------------
+
+    def _push_waiting(self, req: Request, front: bool) -> None:
+        if self._priority:
+            heapq.heappush(self._heap, (req.priority, req.arrival_s, req.request_id, req))
+        elif front:
+            self._fifo.appendleft(req)
+        else:
+            self._fifo.append(req)
+        self._waiting_count[req.klass] += 1
+
+    def _peek_waiting(self) -> Request | None:
+        if self._priority:
+            heap = self._heap
+            while heap and heap[0][3].status not in (WAITING, PREEMPTED):
+                heapq.heappop(heap)
+            return heap[0][3] if heap else None
+        return self._fifo[0] if self._fifo else None
+
+    def _pop_waiting(self) -> None:
+        req = heapq.heappop(self._heap)[3] if self._priority else self._fifo.popleft()
+        self._waiting_count[req.klass] -= 1
+
+    # -- public API ------------------------------------------------------------------------
+
+    def add_request(self, req: Request) -> bool:
+        """Queue `req`; refuse it (status REFUSED, `error` set) if it cannot ever fit."""
+        cfg = self.config
+        if req.prompt_tokens <= 0 or req.max_output_tokens <= 0:
+            req.status = REFUSED
+            req.error = "prompt and max output tokens must be > 0"
+            return False
+        if req.prompt_tokens + req.max_output_tokens > cfg.max_model_len:
+            req.status = REFUSED
+            req.error = (
+                f"This model's maximum context length is {cfg.max_model_len} tokens; the "
+                f"request asks for {req.prompt_tokens + req.max_output_tokens}"
+            )
+            return False
+        if req.request_id in self.requests:
+            req.status = REFUSED
+            req.error = f"duplicate request id {req.request_id!r}"
+            return False
+        req.status = WAITING
+        self.requests[req.request_id] = req
+        self._push_waiting(req, front=False)
+        return True
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Remove a waiting or running request and free its KV blocks; None if unknown."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req.status == RUNNING:
+            self.running.remove(req)
+            self._running_count[req.klass] -= 1
+        else:
+            self._waiting_count[req.klass] -= 1
+            if not self._priority:
+                self._fifo.remove(req)
+        self.free_blocks += req.blocks
+        req.blocks = 0
+        req.status = ABORTED
+        return req
+
+    def has_work(self) -> bool:
+        """True while any request is running or waiting."""
+        waiting = self._waiting_count
+        return bool(self.running) or waiting[INTERACTIVE] + waiting[BATCH] > 0
+
+    def kv_usage_frac(self) -> float:
+        """Fraction of KV blocks in use (vLLM's `kv_cache_usage_perc`, 0..1)."""
+        return 1.0 - self.free_blocks / self.config.num_gpu_blocks
+
+    def num_running(self, klass: str | None = None) -> int:
+        """Running requests, of one class or all."""
+        if klass is None:
+            return len(self.running)
+        return self._running_count[klass]
+
+    def num_waiting(self, klass: str | None = None) -> int:
+        """Waiting (queued or preempted) requests, of one class or all."""
+        if klass is None:
+            return self._waiting_count[INTERACTIVE] + self._waiting_count[BATCH]
+        return self._waiting_count[klass]
+
+    def waiting_requests(self) -> list[Request]:
+        """The waiting requests (in no particular order)."""
+        if self._priority:
+            return [e[3] for e in self._heap if e[3].status in (WAITING, PREEMPTED)]
+        return list(self._fifo)
+
+    # -- one step --------------------------------------------------------------------------
+
+    def _preempt(self, victim: Request) -> None:
+        self.free_blocks += victim.blocks
+        victim.blocks = 0
+        victim.recomputed_tokens += victim.computed_tokens
+        victim.computed_tokens = 0
+        victim.preemptions += 1
+        victim.status = PREEMPTED
+        self.num_preemptions += 1
+        self._running_count[victim.klass] -= 1
+        self._push_waiting(victim, front=True)
+
+    def schedule(self) -> SchedulerOutput:
+        """Choose this step's tokens per request (vLLM V1 order) and advance their progress."""
+        cfg = self.config
+        bs = cfg.block_size
+        thr = cfg.long_prefill_token_threshold
+        limit = cfg.max_model_len - 1
+        budget = cfg.max_num_batched_tokens
+        running = self.running
+        scheduled: list[tuple[Request, int]] = []
+        preempted: list[Request] = []
+        free = self.free_blocks
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            computed = req.computed_tokens
+            n = req.prompt_tokens + req.output_tokens - computed
+            if 0 < thr < n:
+                n = thr
+            if n > budget:
+                n = budget
+            if n > limit - computed:
+                n = limit - computed
+            if n <= 0:
+                i += 1
+                continue
+            need = (computed + n + bs - 1) // bs - req.blocks
+            victim_is_req = False
+            while need > free:
+                if self._priority:
+                    victim = max(running, key=_preempt_key)
+                    running.remove(victim)
+                    for j, (sreq, sn) in enumerate(scheduled):
+                        if sreq is victim:
+                            del scheduled[j]
+                            budget += sn
+                            i -= 1
+                            break
+                else:
+                    victim = running.pop()
+                self.free_blocks = free
+                self._preempt(victim)
+                free = self.free_blocks
+                preempted.append(victim)
+                if victim is req:
+                    victim_is_req = True
+                    break
+            if victim_is_req:
+                break
+            if need > 0:
+                free -= need
+                req.blocks += need
+            scheduled.append((req, n))
+            budget -= n
+            i += 1
+
+        if not preempted:
+            max_seqs = cfg.max_num_seqs
+            full = cfg.admit_full_prompt
+            while budget > 0 and len(running) < max_seqs:
+                req = self._peek_waiting()
+                if req is None:
+                    break
+                total = req.prompt_tokens + req.output_tokens
+                n = total
+                if 0 < thr < n:
+                    n = thr
+                if n > budget:
+                    n = budget
+                need = (total if full else n) + bs - 1
+                need = need // bs
+                if need > free:
+                    break
+                self._pop_waiting()
+                free -= need
+                req.blocks = need
+                req.status = RUNNING
+                self._running_count[req.klass] += 1
+                running.append(req)
+                scheduled.append((req, n))
+                budget -= n
+        self.free_blocks = free
+
+        decode_kv = 0
+        pairs = 0
+        counts: dict[str, int] = {}
+        for req, n in scheduled:
+            c = req.computed_tokens
+            if n == 1:
+                decode_kv += c + 1
+            else:
+                pairs += n * c + n * (n + 1) // 2
+            req.computed_tokens = c + n
+            counts[req.request_id] = n
+        out = SchedulerOutput(
+            num_scheduled_tokens=counts,
+            total_num_scheduled_tokens=cfg.max_num_batched_tokens - budget,
+            preempted_req_ids=tuple(r.request_id for r in preempted),
+            decode_kv_tokens=decode_kv,
+            prefill_pairs=pairs,
+            scheduled=tuple(scheduled),
+            preempted=tuple(preempted),
+        )
+        self._last_output = out
+        return out
+
+    def step_duration_s(self, out: SchedulerOutput) -> float:
+        """Duration of the step `out` under this replica's profile."""
+        tokens = out.total_num_scheduled_tokens
+        if tokens <= 0:
+            return 0.0
+        for upper, intercept, slope in self._segments:
+            if tokens <= upper:
+                linear = intercept + slope * tokens
+                break
+        prof = self.profile
+        return (
+            linear
+            + prof.decode_s_per_kv_token * out.decode_kv_tokens
+            + prof.prefill_s_per_pair * out.prefill_pairs
+        )
+
+    def update_from_output(self, out: SchedulerOutput, start_s: float) -> StepResult:
+        """Finish the step `out` begun at `start_s`: emit tokens, finish and free requests."""
+        if out is not self._last_output:
+            raise RuntimeError("update_from_output must follow the matching schedule()")
+        self._last_output = None
+        duration = self.step_duration_s(out)
+        end = start_s + duration
+        emitted: list[Request] = []
+        first: list[Request] = []
+        finished: list[Request] = []
+        itl_other: list[float] = []
+        steady = 0
+        itok = 0
+        btok = 0
+        for req, n in out.scheduled:
+            interactive = req.klass == INTERACTIVE
+            if interactive:
+                itok += n
+            else:
+                btok += n
+            if req.computed_tokens < req.prompt_tokens + req.output_tokens:
+                continue
+            req.output_tokens += 1
+            emitted.append(req)
+            if req.first_token_s < 0:
+                req.first_token_s = end
+                first.append(req)
+            elif interactive:
+                if req.last_token_s == start_s:
+                    steady += 1
+                else:
+                    itl_other.append(end - req.last_token_s)
+            req.last_token_s = end
+            if req.output_tokens >= req.max_output_tokens:
+                finished.append(req)
+        if finished:
+            for req in finished:
+                req.status = FINISHED
+                req.finish_s = end
+                self.free_blocks += req.blocks
+                req.blocks = 0
+                self._running_count[req.klass] -= 1
+                del self.requests[req.request_id]
+            self.running = [r for r in self.running if r.status == RUNNING]
+        return StepResult(
+            start_s=start_s,
+            duration_s=duration,
+            end_s=end,
+            scheduled_tokens=out.total_num_scheduled_tokens,
+            interactive_tokens=itok,
+            batch_tokens=btok,
+            emitted=emitted,
+            first_tokens=first,
+            finished=finished,
+            preempted=list(out.preempted),
+            itl_steady=steady,
+            itl_other_s=itl_other,
+            running_interactive=self._running_count[INTERACTIVE],
+            running_batch=self._running_count[BATCH],
+        )
+
+    def step(self, start_s: float) -> StepResult | None:
+        """Run one step starting at `start_s`; None when there is nothing to schedule.
+
+        A schedule that only preempted (no tokens) is retried at once, as vLLM's next
+        `schedule()` would admit from the waiting queue without a model step between.
+        """
+        while self.has_work():
+            out = self.schedule()
+            if out.total_num_scheduled_tokens > 0:
+                return self.update_from_output(out, start_s)
+            self._last_output = None
+            if not out.preempted:
+                return None
+        return None
+
+
+def _preempt_key(req: Request) -> tuple[int, float]:
+    return (req.priority, req.arrival_s)
