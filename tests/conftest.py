@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+import redis
 
 from tests.support.servers import ServerProcess, start_redis
 
@@ -27,3 +28,12 @@ def shared_redis() -> Iterator[ServerProcess]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def redis_url(shared_redis: ServerProcess) -> Iterator[str]:
+    """URL of the session's real redis-server, emptied (FLUSHALL) before each test."""
+    client = redis.Redis.from_url(shared_redis.extra["url"])
+    client.flushall()
+    client.close()
+    yield shared_redis.extra["url"]

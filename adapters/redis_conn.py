@@ -1,0 +1,173 @@
+"""Redis connections from one URL, sync and asyncio, for every borrowd part that talks to Redis.
+
+Accepted URLs: `redis://[user:password@]host:port/db`, `rediss://...` (TLS; `ssl_*` query
+options as redis-py reads them), and Sentinel
+`redis+sentinel://[user:password@]host:port[,host:port...]/service[/db]` (`rediss+sentinel`
+for TLS). Clients decode responses to `str`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from urllib.parse import parse_qs, unquote, urlsplit
+
+import redis
+import redis.asyncio
+import redis.asyncio.sentinel
+import redis.sentinel
+
+from models.errors import ConfigError
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+REDIS_URL_ENV = "BORROWD_REDIS_URL"
+DEFAULT_CONNECT_TIMEOUT_S = 2.0
+DEFAULT_SOCKET_TIMEOUT_S = 5.0
+
+_PLAIN_SCHEMES = ("redis", "rediss", "unix")
+_SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
+
+
+def resolve_redis_url(arg: str | None) -> str:
+    """The Redis URL to use: `arg`, else env `BORROWD_REDIS_URL`, else the local default."""
+    if arg:
+        return arg
+    return os.environ.get(REDIS_URL_ENV) or DEFAULT_REDIS_URL
+
+
+def redact_url(url: str) -> str:
+    """`url` with any password replaced by `***`, safe to print or log."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    userinfo = f"{parts.username or ''}:***"
+    host = parts.netloc.rsplit("@", 1)[1]
+    return parts._replace(netloc=f"{userinfo}@{host}").geturl()
+
+
+@dataclass(frozen=True)
+class SentinelTarget:
+    """A parsed `redis+sentinel://` URL."""
+
+    sentinels: tuple[tuple[str, int], ...]
+    service: str
+    db: int
+    username: str | None
+    password: str | None
+    tls: bool
+    sentinel_password: str | None
+
+
+def parse_sentinel_url(url: str) -> SentinelTarget:
+    """Parse `redis+sentinel://[user:pw@]h:p[,h:p]/service[/db][?sentinel_password=...]`."""
+    scheme, _, rest = url.partition("://")
+    if scheme not in _SENTINEL_SCHEMES:
+        raise ConfigError(f"not a Sentinel URL: {redact_url(url)}")
+    netloc, _, path_query = rest.partition("/")
+    path, _, query = path_query.partition("?")
+    username = password = None
+    if "@" in netloc:
+        userinfo, netloc = netloc.rsplit("@", 1)
+        user, sep, pw = userinfo.partition(":")
+        username = unquote(user) or None
+        password = unquote(pw) if sep else None
+    sentinels = []
+    for hostport in netloc.split(","):
+        host, sep, port = hostport.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ConfigError(
+                f"Sentinel URL {redact_url(url)}: sentinel address {hostport!r} is not host:port"
+            )
+        sentinels.append((host.strip("[]"), int(port)))
+    segments = [s for s in path.split("/") if s]
+    if not segments or len(segments) > 2:
+        raise ConfigError(f"Sentinel URL {redact_url(url)} must end in /service or /service/db")
+    db = 0
+    if len(segments) == 2:
+        if not segments[1].isdigit():
+            raise ConfigError(f"Sentinel URL {redact_url(url)}: db {segments[1]!r} is not a number")
+        db = int(segments[1])
+    options = parse_qs(query)
+    return SentinelTarget(
+        sentinels=tuple(sentinels),
+        service=unquote(segments[0]),
+        db=db,
+        username=username,
+        password=password,
+        tls=scheme.startswith("rediss"),
+        sentinel_password=options.get("sentinel_password", [None])[0],
+    )
+
+
+def _scheme(url: str) -> str:
+    scheme = url.partition("://")[0] if "://" in url else ""
+    if scheme not in _PLAIN_SCHEMES + _SENTINEL_SCHEMES:
+        raise ConfigError(
+            f"Redis URL {redact_url(url)!r} has scheme {scheme!r}; use redis://, rediss://, "
+            "unix:// or redis+sentinel://"
+        )
+    return scheme
+
+
+def _options(connect_timeout_s: float, socket_timeout_s: float) -> dict:
+    return {
+        "decode_responses": True,
+        "socket_connect_timeout": connect_timeout_s,
+        "socket_timeout": socket_timeout_s,
+    }
+
+
+def connect(
+    url: str,
+    *,
+    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+    socket_timeout_s: float = DEFAULT_SOCKET_TIMEOUT_S,
+) -> redis.Redis:
+    """A sync client for `url` (no I/O yet: the first command connects)."""
+    scheme = _scheme(url)
+    options = _options(connect_timeout_s, socket_timeout_s)
+    if scheme in _SENTINEL_SCHEMES:
+        target = parse_sentinel_url(url)
+        sentinel = redis.sentinel.Sentinel(
+            list(target.sentinels),
+            sentinel_kwargs={"password": target.sentinel_password,
+                             "socket_timeout": socket_timeout_s,
+                             "socket_connect_timeout": connect_timeout_s},
+            **options,
+        )
+        return sentinel.master_for(
+            target.service, db=target.db, username=target.username,
+            password=target.password, ssl=target.tls,
+        )
+    try:
+        return redis.Redis.from_url(url, **options)
+    except ValueError as exc:
+        raise ConfigError(f"Redis URL {redact_url(url)!r} is malformed: {exc}") from None
+
+
+def connect_async(
+    url: str,
+    *,
+    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+    socket_timeout_s: float = DEFAULT_SOCKET_TIMEOUT_S,
+) -> redis.asyncio.Redis:
+    """An asyncio client for `url` (no I/O yet: the first command connects)."""
+    scheme = _scheme(url)
+    options = _options(connect_timeout_s, socket_timeout_s)
+    if scheme in _SENTINEL_SCHEMES:
+        target = parse_sentinel_url(url)
+        sentinel = redis.asyncio.sentinel.Sentinel(
+            list(target.sentinels),
+            sentinel_kwargs={"password": target.sentinel_password,
+                             "socket_timeout": socket_timeout_s,
+                             "socket_connect_timeout": connect_timeout_s},
+            **options,
+        )
+        return sentinel.master_for(
+            target.service, db=target.db, username=target.username,
+            password=target.password, ssl=target.tls,
+        )
+    try:
+        return redis.asyncio.Redis.from_url(url, **options)
+    except ValueError as exc:
+        raise ConfigError(f"Redis URL {redact_url(url)!r} is malformed: {exc}") from None
