@@ -13,6 +13,8 @@ import socket
 import subprocess
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -139,3 +141,75 @@ def redis_server(extra_args: Sequence[str] = ()) -> Iterator[ServerProcess]:
         yield server
     finally:
         server.stop()
+
+
+def start_prometheus(
+    scrape_targets: dict[str, Sequence[str]],
+    scrape_interval_s: float = 1.0,
+    rule_files: Sequence[Path] = (),
+    target_labels: dict[str, dict[str, str]] | None = None,
+) -> ServerProcess:
+    """A throw-away Prometheus on a free loopback port scraping `scrape_targets`.
+
+    `scrape_targets` maps a job name to `host:port` targets; `target_labels` optionally maps a
+    job name to labels attached to its targets (e.g. the `pool` of vLLM engines). Rule files
+    are copied into the temporary directory; the TSDB lives there too. `--web.enable-lifecycle`
+    lets a test reload it.
+    """
+    binary = shutil.which("prometheus")
+    if binary is None:
+        raise RuntimeError("prometheus is not installed (Debian package prometheus)")
+    port = free_port()
+    workdir = Path(tempfile.mkdtemp(prefix="borrowd-prometheus-"))
+    rules = []
+    for index, rule_file in enumerate(rule_files):
+        copy = workdir / f"rules-{index}-{Path(rule_file).name}"
+        shutil.copyfile(rule_file, copy)
+        rules.append(str(copy))
+    interval = f"{round(scrape_interval_s * 1000)}ms"
+    lines = [
+        "global:",
+        f"  scrape_interval: {interval}",
+        f"  evaluation_interval: {interval}",
+        f"  scrape_timeout: {interval}",
+        "rule_files:",
+        *[f"  - {path!r}" for path in rules],
+        "scrape_configs:",
+    ]
+    for job, targets in scrape_targets.items():
+        lines += [
+            f"  - job_name: {job!r}",
+            "    static_configs:",
+            f"      - targets: [{', '.join(repr(t) for t in targets)}]",
+        ]
+        labels = (target_labels or {}).get(job)
+        if labels:
+            lines.append("        labels:")
+            lines += [f"          {key}: {value!r}" for key, value in labels.items()]
+    config_path = workdir / "prometheus.yml"
+    config_path.write_text("\n".join(lines) + "\n")
+    argv = [
+        binary,
+        f"--config.file={config_path}",
+        f"--storage.tsdb.path={workdir / 'data'}",
+        f"--web.listen-address=127.0.0.1:{port}",
+        "--web.enable-lifecycle",
+        "--storage.tsdb.retention.time=1h",
+        "--log.level=warn",
+    ]
+    server = start_process(
+        "prometheus", argv, port, workdir=workdir, timeout_s=30.0,
+        ready=lambda: _http_ok(f"http://127.0.0.1:{port}/-/ready"),
+    )
+    server.extra["url"] = f"http://127.0.0.1:{port}"
+    server.extra["config_path"] = config_path
+    return server
+
+
+def _http_ok(url: str) -> bool:
+    """True when GET `url` answers 200."""
+    try:
+        with urllib.request.urlopen(url, timeout=0.5) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False

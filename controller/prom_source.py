@@ -1,0 +1,299 @@
+"""Prometheus as the daemon's `MetricsSource`: one PromQL query per observed signal.
+
+The queries read the recording rules shipped in `deploy/prometheus/borrowd.rules.yml`
+(per-class p95 TTFT and ITL from the proxy's histograms, success ratio, token rates, vLLM KV
+usage, queue depth and preemptions). Every query has a short timeout and is tried once: a
+failed, empty or NaN answer leaves its field NaN (the supervisor reads that as not safe) and is
+counted. Also here: range queries over recorded series, for identification.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+import numpy as np
+import requests
+from prometheus_api_client import PrometheusApiClientException, PrometheusConnect
+from urllib3.util.retry import Retry
+
+from models.errors import InputError
+from models.signals import Observation
+
+POOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+WINDOW = re.compile(r"^[1-9][0-9]*(ms|s|m|h)$")
+
+# Kinds of query failure, the `kind` label of the daemon's error counter.
+TRANSPORT = "transport"  # connection refused, timeout, DNS: Prometheus unreachable
+HTTP = "http"  # Prometheus answered with an error status (bad query, overload)
+EMPTY = "empty"  # no series: a scrape target or a recording rule is missing
+NOT_A_NUMBER = "nan"  # the series exists but holds NaN or is unparsable
+
+# (pool, field, kind, detail) -> None; the daemon counts and logs these.
+ErrorSink = Callable[[str, str, str, str], None]
+
+
+@dataclass(frozen=True)
+class PromQuery:
+    """The instant PromQL expression that yields one `Observation` field of one pool."""
+
+    field: str
+    expr: str
+
+
+def check_pool_name(pool: str) -> str:
+    """`pool` if it is safe inside a PromQL label matcher and a Redis key, else InputError."""
+    if not POOL_NAME.match(pool):
+        raise InputError(f"pool name {pool!r} must match {POOL_NAME.pattern}")
+    return pool
+
+
+def check_window(window: str) -> str:
+    """`window` if it is a Prometheus duration such as `15s` or `1m`, else InputError."""
+    if not WINDOW.match(window):
+        raise InputError(f"window {window!r} is not a Prometheus duration like 15s or 1m")
+    return window
+
+
+def pool_queries(pool: str, window: str) -> tuple[PromQuery, ...]:
+    """The expressions behind each observed field of `pool`, reading the `window` rules."""
+    check_pool_name(pool)
+    check_window(window)
+    inter = f'{{pool="{pool}",class="interactive"}}'
+    batch = f'{{pool="{pool}",class="batch"}}'
+    only_pool = f'{{pool="{pool}"}}'
+    return (
+        PromQuery("ttft_p95_s", f"pool_class:borrowd_proxy_ttft_seconds:p95_rate{window}{inter}"),
+        PromQuery("itl_p95_s", f"pool_class:borrowd_proxy_itl_seconds:p95_rate{window}{inter}"),
+        PromQuery(
+            "success_rate", f"pool_class:borrowd_proxy_requests:success_ratio_rate{window}{inter}"
+        ),
+        PromQuery("kv_usage_frac", f"pool:vllm_kv_cache_usage_perc:max{only_pool}"),
+        PromQuery("interactive_queue_depth", f"pool:vllm_num_requests_waiting:sum{only_pool}"),
+        PromQuery(
+            "interactive_oldest_wait_s", f"pool_class:borrowd_proxy_oldest_wait_seconds:max{inter}"
+        ),
+        PromQuery("preemptions_per_s", f"pool:vllm_num_preemptions:rate{window}{only_pool}"),
+        PromQuery(
+            "interactive_tokens_per_s", f"pool_class:borrowd_proxy_tokens:rate{window}{inter}"
+        ),
+        PromQuery("batch_tokens_per_s", f"pool_class:borrowd_proxy_tokens:rate{window}{batch}"),
+        PromQuery("batch_running_seqs", f"pool_class:borrowd_proxy_inflight:sum{batch}"),
+        PromQuery(
+            "interactive_requests", f"pool_class:borrowd_proxy_requests:increase{window}{inter}"
+        ),
+    )
+
+
+def data_age_query(pool: str) -> str:
+    """Seconds since the stalest of `pool`'s recorded series was last evaluated."""
+    check_pool_name(pool)
+    return (
+        f'time() - min(timestamp({{__name__=~"pool(_class)?:(borrowd_proxy|vllm)_.+",'
+        f'pool="{pool}"}}))'
+    )
+
+
+def connect_prometheus(url: str, timeout_s: float) -> PrometheusConnect:
+    """A client for `url` that tries each query once and gives up after `timeout_s`."""
+    return PrometheusConnect(
+        url=url,
+        disable_ssl=False,
+        retry=Retry(total=0, connect=0, read=0, redirect=0, status=0, raise_on_status=False),
+        timeout=timeout_s,
+    )
+
+
+class _QueryFailed(Exception):
+    def __init__(self, kind: str, detail: str) -> None:
+        super().__init__(detail)
+        self.kind = kind
+        self.detail = detail
+
+
+def parse_instant(result: Sequence[Mapping]) -> float:
+    """The value of an instant-vector answer; the largest when several series match.
+
+    Raises `_QueryFailed` (EMPTY or NOT_A_NUMBER) when there is nothing usable.
+    """
+    if not result:
+        raise _QueryFailed(EMPTY, "no series")
+    values = []
+    for series in result:
+        try:
+            value = float(series["value"][1])
+        except (KeyError, IndexError, TypeError, ValueError):
+            raise _QueryFailed(NOT_A_NUMBER, f"unparsable sample {series!r}") from None
+        if math.isnan(value):
+            raise _QueryFailed(NOT_A_NUMBER, "sample is NaN")
+        values.append(value)
+    return max(values)
+
+
+class PrometheusSource:
+    """`MetricsSource` reading a pool's signals from Prometheus recording rules.
+
+    `age_s` of an observation is the age of the stalest recorded series behind it when every
+    query answered, and the time since the last fully answered observation otherwise (infinite
+    before the first), so a supervisor that bounds staleness goes failsafe either way.
+    """
+
+    def __init__(
+        self,
+        client: PrometheusConnect,
+        *,
+        window: str,
+        timeout_s: float,
+        on_error: ErrorSink | None = None,
+    ) -> None:
+        self._client = client
+        self._window = check_window(window)
+        self._timeout_s = timeout_s
+        self._on_error = on_error
+        self._last_success_s: dict[str, float] = {}
+
+    def last_success_age_s(self, pool: str, now_s: float) -> float:
+        """Seconds since every query of `pool` last answered (inf before the first time)."""
+        last = self._last_success_s.get(pool)
+        return math.inf if last is None else max(0.0, now_s - last)
+
+    def observe(self, pool: str, now_s: float) -> Observation:
+        """Signals of `pool` evaluated at `now_s`; NaN (and a counted error) per failed query."""
+        values: dict[str, float] = {}
+        failed = False
+        for query in pool_queries(pool, self._window):
+            try:
+                values[query.field] = parse_instant(self._query(query.expr, now_s))
+            except _QueryFailed as exc:
+                failed = True
+                self._report(pool, query.field, exc)
+                if exc.kind == TRANSPORT:
+                    break  # Prometheus is unreachable: do not wait out every other timeout
+        if not failed:
+            try:
+                data_age_s = max(0.0, parse_instant(self._query(data_age_query(pool), now_s)))
+            except _QueryFailed as exc:
+                failed = True
+                self._report(pool, "age_s", exc)
+        if failed:
+            age_s = self.last_success_age_s(pool, now_s)
+        else:
+            self._last_success_s[pool] = now_s
+            age_s = data_age_s
+        return Observation(now_s=now_s, age_s=age_s, **values)
+
+    def _query(self, expr: str, now_s: float) -> list[dict]:
+        try:
+            return self._client.custom_query(
+                expr, params={"time": f"{now_s:.3f}"}, timeout=self._timeout_s
+            )
+        except requests.RequestException as exc:
+            raise _QueryFailed(TRANSPORT, f"{type(exc).__name__}: {exc}") from None
+        except PrometheusApiClientException as exc:
+            raise _QueryFailed(HTTP, str(exc)[:300]) from None
+        except ValueError as exc:  # a body that is not the API's JSON
+            raise _QueryFailed(HTTP, f"bad response: {exc}") from None
+
+    def _report(self, pool: str, field: str, exc: _QueryFailed) -> None:
+        if self._on_error is not None:
+            self._on_error(pool, field, exc.kind, exc.detail)
+
+
+@dataclass(frozen=True)
+class RangeSeries:
+    """One series from a range query: sample times (unix seconds) and values."""
+
+    times_s: np.ndarray
+    values: np.ndarray
+
+
+def query_range(
+    client: PrometheusConnect,
+    expr: str,
+    *,
+    start_s: float,
+    end_s: float,
+    step_s: float,
+    timeout_s: float = 10.0,
+) -> RangeSeries:
+    """`expr` over [start_s, end_s] every `step_s`; several series are combined by max.
+
+    Raises InputError naming the expression when Prometheus fails or returns no series.
+    """
+    if not (end_s > start_s and step_s > 0):
+        raise InputError(
+            f"range query needs end > start and step > 0, got {start_s}, {end_s}, {step_s}"
+        )
+    try:
+        result = client.custom_query_range(
+            expr,
+            start_time=datetime.fromtimestamp(start_s, tz=UTC),
+            end_time=datetime.fromtimestamp(end_s, tz=UTC),
+            step=f"{step_s:g}s",
+            timeout=timeout_s,
+        )
+    except (requests.RequestException, PrometheusApiClientException, ValueError) as exc:
+        raise InputError(f"range query {expr!r} failed: {exc}") from None
+    if not result:
+        raise InputError(f"range query {expr!r} returned no series between {start_s} and {end_s}")
+    by_time: dict[float, float] = {}
+    for series in result:
+        for stamp, text in series.get("values", []):
+            value = float(text)
+            if not math.isnan(value):
+                by_time[float(stamp)] = max(value, by_time.get(float(stamp), -math.inf))
+    times = np.array(sorted(by_time), dtype=float)
+    return RangeSeries(times_s=times, values=np.array([by_time[t] for t in times], dtype=float))
+
+
+def identification_queries(pool: str, window: str) -> dict[str, str]:
+    """Range expressions for identifying `pool`'s plant from recorded history.
+
+    `budget_tokens_per_s` is the budget the leading daemon published (its own /metrics);
+    the outputs are the interactive p95s and the offered interactive token rate.
+    """
+    check_pool_name(pool)
+    fields = {query.field: query.expr for query in pool_queries(pool, window)}
+    return {
+        "budget_tokens_per_s": (
+            f'max(borrowd_budget_tokens_per_s{{pool="{pool}"}} '
+            f'and on (instance) (borrowd_leader{{pool="{pool}"}} == 1))'
+        ),
+        "ttft_p95_s": fields["ttft_p95_s"],
+        "itl_p95_s": fields["itl_p95_s"],
+        "interactive_tokens_per_s": fields["interactive_tokens_per_s"],
+    }
+
+
+def identification_series(
+    client: PrometheusConnect,
+    pool: str,
+    *,
+    start_s: float,
+    end_s: float,
+    step_s: float,
+    window: str = "15s",
+) -> dict[str, np.ndarray]:
+    """Aligned arrays (`times_s` plus each identification signal) at the common sample times.
+
+    Raises InputError when a signal is missing or the series share no sample time.
+    """
+    series = {
+        name: query_range(client, expr, start_s=start_s, end_s=end_s, step_s=step_s)
+        for name, expr in identification_queries(pool, window).items()
+    }
+    common = None
+    for item in series.values():
+        stamps = set(item.times_s.tolist())
+        common = stamps if common is None else common & stamps
+    times = np.array(sorted(common or ()), dtype=float)
+    if times.size == 0:
+        raise InputError(f"pool {pool!r}: the identification series share no sample time")
+    aligned = {"times_s": times}
+    for name, item in series.items():
+        index = {t: i for i, t in enumerate(item.times_s.tolist())}
+        aligned[name] = np.array([item.values[index[t]] for t in times], dtype=float)
+    return aligned

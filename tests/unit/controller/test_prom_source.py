@@ -1,0 +1,215 @@
+"""PrometheusSource: queries per field, NaN and a counted error per failure, staleness age."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import requests
+from prometheus_api_client import PrometheusApiClientException
+
+from controller.prom_source import (
+    EMPTY,
+    HTTP,
+    NOT_A_NUMBER,
+    TRANSPORT,
+    PrometheusSource,
+    connect_prometheus,
+    identification_queries,
+    identification_series,
+    pool_queries,
+    query_range,
+)
+from models.errors import InputError
+
+FIELD_VALUES = {
+    "ttft_p95_s": 0.4,
+    "itl_p95_s": 0.03,
+    "success_rate": 1.0,
+    "kv_usage_frac": 0.55,
+    "interactive_queue_depth": 2.0,
+    "interactive_oldest_wait_s": 0.2,
+    "preemptions_per_s": 0.0,
+    "interactive_tokens_per_s": 900.0,
+    "batch_tokens_per_s": 3000.0,
+    "batch_running_seqs": 4.0,
+    "interactive_requests": 40.0,
+}
+
+
+def instant(value: str) -> list[dict]:
+    """An instant-vector answer with one series."""
+    return [{"metric": {"pool": "chat"}, "value": [1700000000.0, value]}]
+
+
+class FakeClient:
+    """Answers instant queries from a table keyed by expression; records what it was asked."""
+
+    def __init__(self, answers: dict[str, object], default: object = None) -> None:
+        self.answers = answers
+        self.default = default
+        self.asked: list[tuple[str, dict, float | None]] = []
+
+    def custom_query(self, query: str, params: dict | None = None, timeout: float | None = None):
+        self.asked.append((query, params or {}, timeout))
+        answer = self.answers.get(query, self.default)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    def custom_query_range(self, query, start_time, end_time, step, params=None, timeout=None):
+        answer = self.answers[query]
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+
+def healthy_answers(pool: str = "chat", window: str = "15s") -> dict[str, object]:
+    """Every query of `pool` answered with FIELD_VALUES; data 0.5 s old."""
+    return {q.expr: instant(repr(FIELD_VALUES[q.field])) for q in pool_queries(pool, window)}
+
+
+def age_default() -> list[dict]:
+    """Answer of the data-age query."""
+    return instant("0.5")
+
+
+def make_source(client: FakeClient, errors: list) -> PrometheusSource:
+    """A source over `client` that appends each reported error to `errors`."""
+    return PrometheusSource(
+        client, window="15s", timeout_s=0.25, on_error=lambda *e: errors.append(e)
+    )
+
+
+def test_every_field_is_read_from_its_query() -> None:
+    """A healthy Prometheus fills every observed field and reports the data's age."""
+    client = FakeClient(healthy_answers(), default=age_default())
+    errors: list = []
+    obs = make_source(client, errors).observe("chat", 1000.0)
+    assert errors == []
+    for name, value in FIELD_VALUES.items():
+        assert getattr(obs, name) == pytest.approx(value), name
+    assert obs.age_s == pytest.approx(0.5)
+    assert obs.missing() == []
+
+
+def test_queries_are_evaluated_at_now_with_the_short_timeout() -> None:
+    """Each query is sent once, at the tick's time, with the configured timeout."""
+    client = FakeClient(healthy_answers(), default=age_default())
+    make_source(client, []).observe("chat", 1234.5)
+    assert len(client.asked) == len(pool_queries("chat", "15s")) + 1
+    assert {params["time"] for _, params, _ in client.asked} == {"1234.500"}
+    assert {timeout for _, _, timeout in client.asked} == {0.25}
+
+
+@pytest.mark.parametrize(
+    ("answer", "kind"),
+    [
+        (PrometheusApiClientException("HTTP Status Code 400"), HTTP),
+        ([], EMPTY),
+        (instant("NaN"), NOT_A_NUMBER),
+        ([{"metric": {}, "value": [1.0]}], NOT_A_NUMBER),
+    ],
+    ids=["http-error", "empty", "nan", "malformed"],
+)
+def test_a_failed_query_leaves_only_its_field_nan(answer: object, kind: str) -> None:
+    """One failing query: its field is NaN, its error is counted, the rest is still read."""
+    answers = healthy_answers()
+    failing = next(q for q in pool_queries("chat", "15s") if q.field == "kv_usage_frac")
+    answers[failing.expr] = answer
+    errors: list = []
+    obs = make_source(FakeClient(answers, default=age_default()), errors).observe("chat", 10.0)
+    assert obs.missing() == ["kv_usage_frac"]
+    assert [(pool, field, k) for pool, field, k, _ in errors] == [("chat", "kv_usage_frac", kind)]
+    assert obs.ttft_p95_s == pytest.approx(FIELD_VALUES["ttft_p95_s"])
+
+
+def test_unreachable_prometheus_stops_after_the_first_timeout() -> None:
+    """A transport failure ends the tick's queries: one error, every field NaN, age grows."""
+    client = FakeClient({}, default=requests.ConnectionError("refused"))
+    errors: list = []
+    source = make_source(client, errors)
+    obs = source.observe("chat", 50.0)
+    assert len(client.asked) == 1
+    assert [e[2] for e in errors] == [TRANSPORT]
+    assert len(obs.missing()) == len(FIELD_VALUES)
+    assert math.isinf(obs.age_s)
+
+
+def test_age_is_time_since_last_complete_observation_after_a_failure() -> None:
+    """After a good tick at t=100, a failing tick at t=107 reports age 7 s."""
+    answers = healthy_answers()
+    client = FakeClient(answers, default=age_default())
+    source = make_source(client, [])
+    source.observe("chat", 100.0)
+    client.answers = {}
+    client.default = requests.Timeout("slow")
+    obs = source.observe("chat", 107.0)
+    assert obs.age_s == pytest.approx(7.0)
+    assert source.last_success_age_s("chat", 107.0) == pytest.approx(7.0)
+    assert math.isinf(source.last_success_age_s("other", 107.0))
+
+
+def test_several_series_read_the_largest() -> None:
+    """Two answering series (e.g. two rule evaluators) read conservatively: the max."""
+    answers = healthy_answers()
+    ttft = next(q for q in pool_queries("chat", "15s") if q.field == "ttft_p95_s")
+    answers[ttft.expr] = instant("0.2") + instant("0.9")
+    obs = make_source(FakeClient(answers, default=age_default()), []).observe("chat", 1.0)
+    assert obs.ttft_p95_s == pytest.approx(0.9)
+
+
+@pytest.mark.parametrize(
+    ("pool", "window"),
+    [("chat pool", "15s"), ('x"}', "15s"), ("chat", "15"), ("chat", "0s")],
+    ids=["space", "quote", "no-unit", "zero"],
+)
+def test_bad_pool_or_window_is_refused(pool: str, window: str) -> None:
+    """Pool names and windows that could break a PromQL selector raise InputError."""
+    with pytest.raises(InputError):
+        pool_queries(pool, window)
+
+
+def test_client_tries_each_query_once() -> None:
+    """The production client has no retries and the configured timeout."""
+    client = connect_prometheus("http://127.0.0.1:1", 0.3)
+    adapter = client._session.get_adapter("http://127.0.0.1:1/api/v1/query")
+    assert adapter.max_retries.total == 0
+    with pytest.raises(requests.ConnectionError):
+        client.custom_query("up")
+
+
+def test_range_query_merges_series_by_max_and_drops_nan() -> None:
+    """Range answers become sorted times and values; NaN samples are dropped."""
+    answer = [
+        {"metric": {"instance": "a"}, "values": [[10, "1"], [11, "NaN"], [12, "3"]]},
+        {"metric": {"instance": "b"}, "values": [[10, "2"], [12, "1"]]},
+    ]
+    series = query_range(FakeClient({"q": answer}), "q", start_s=10, end_s=12, step_s=1)
+    np.testing.assert_allclose(series.times_s, [10, 12])
+    np.testing.assert_allclose(series.values, [2, 3])
+
+
+def test_identification_series_are_aligned_on_common_times() -> None:
+    """Budget and outputs come back on the sample times they share."""
+    exprs = identification_queries("chat", "15s")
+    answers = {
+        expr: [{"metric": {}, "values": [[t, str(i + t)] for t in (1, 2, 3) if i == 0 or t > 1]}]
+        for i, expr in enumerate(exprs.values())
+    }
+    got = identification_series(FakeClient(answers), "chat", start_s=1, end_s=3, step_s=1)
+    np.testing.assert_allclose(got["times_s"], [2, 3])
+    np.testing.assert_allclose(got["budget_tokens_per_s"], [2, 3])
+    np.testing.assert_allclose(got["ttft_p95_s"], [3, 4])
+
+
+@pytest.mark.parametrize(
+    ("answer", "message"),
+    [([], "no series"), (requests.ConnectionError("refused"), "failed")],
+    ids=["empty", "down"],
+)
+def test_range_query_failure_names_the_expression(answer: object, message: str) -> None:
+    """A range query with nothing to fit raises InputError naming the query."""
+    with pytest.raises(InputError, match=message):
+        query_range(FakeClient({"q": answer}), "q", start_s=0, end_s=10, step_s=1)

@@ -1,0 +1,61 @@
+"""The shipped Prometheus recording rules and example config, checked by promtool."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from controller.prom_source import pool_queries
+
+DEPLOY = Path(__file__).resolve().parents[3] / "deploy" / "prometheus"
+
+needs_promtool = pytest.mark.skipif(
+    shutil.which("promtool") is None, reason="promtool absent (Debian package prometheus)"
+)
+
+
+@needs_promtool
+def test_rules_pass_their_unit_tests() -> None:
+    """`promtool test rules` passes on borrowd.rules.test.yml (values of every recorded series)."""
+    done = subprocess.run(
+        ["promtool", "test", "rules", "borrowd.rules.test.yml"],
+        cwd=DEPLOY, capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@needs_promtool
+def test_rules_file_is_valid() -> None:
+    """`promtool check rules` accepts the rules file."""
+    done = subprocess.run(
+        ["promtool", "check", "rules", str(DEPLOY / "borrowd.rules.yml")],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@needs_promtool
+def test_example_config_is_valid(tmp_path: Path) -> None:
+    """`promtool check config` accepts prometheus.example.yml with its rule file in place."""
+    shutil.copyfile(DEPLOY / "borrowd.rules.yml", tmp_path / "borrowd.rules.yml")
+    text = (DEPLOY / "prometheus.example.yml").read_text()
+    rules_path = "/etc/prometheus/borrowd.rules.yml"
+    assert rules_path in text
+    config = tmp_path / "prometheus.yml"
+    config.write_text(text.replace(rules_path, str(tmp_path / "borrowd.rules.yml")))
+    done = subprocess.run(
+        ["promtool", "check", "config", str(config)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_every_query_reads_a_recorded_series() -> None:
+    """Each recorded series the daemon queries is defined in the rules file, for both windows."""
+    text = (DEPLOY / "borrowd.rules.yml").read_text()
+    for window in ("15s", "1m"):
+        for query in pool_queries("chat", window):
+            name = query.expr.split("{", 1)[0]
+            assert f"record: {name}\n" in text, name
