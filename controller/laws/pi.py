@@ -1,0 +1,172 @@
+"""PI in velocity form, one loop per output, combined by a min-selector.
+
+Each loop i computes an increment from its error e_i = setpoint_i - y_i (room left under the
+setpoint, in units of the SLO):
+
+    du_i = scale_i * (kp_i * (e_i[k] - e_i[k-1]) + ki_i * dt * e_i[k])
+    u_i  = u_applied[k-1] + du_i + du_ff
+    u[k] = clamp(min_i u_i, u_min, u_max)
+
+External-reset anti-windup: every loop starts from the input actually applied last tick
+(after the min-selector, the clamp and the supervisor), so a loop that is not selected, a
+saturated input or a supervisor cut never winds any loop up. Gains come from a FOPDT model by
+the SIMC or IMC rules (`pi_gains`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from models.errors import ConfigError
+from models.plant.fopdt import FopdtFit
+
+METHODS = ("simc", "imc")
+
+
+@dataclass(frozen=True)
+class PiGains:
+    """Gains of one loop: kp in tokens/s per unit of normalised error, ki per second more."""
+
+    kp: float
+    ki_per_s: float
+
+
+@dataclass(frozen=True)
+class PiLoop:
+    """One output's loop: its name, setpoint (normalised, 1.0 = SLO) and gains."""
+
+    name: str
+    setpoint: float
+    gains: PiGains
+
+
+@dataclass(frozen=True)
+class PiState:
+    """Previous error of each loop (NaN before the first measurement)."""
+
+    errors: tuple[float, ...]
+
+    @classmethod
+    def initial(cls, n_loops: int) -> PiState:
+        """State before any measurement."""
+        return cls(errors=(math.nan,) * n_loops)
+
+
+@dataclass(frozen=True)
+class PiResult:
+    """The new budget, the next state, and which loop the min-selector picked (-1: none)."""
+
+    u: float
+    state: PiState
+    selected: int
+
+
+@dataclass(frozen=True)
+class PiConfig:
+    """PI law settings (per-output setpoints, tuning rule, gains used without a plant)."""
+
+    setpoint_ttft_norm: float = field(
+        default=0.6, metadata={"unit": "p95 TTFT / SLO", "help": "TTFT loop setpoint"}
+    )
+    setpoint_itl_norm: float = field(
+        default=0.8, metadata={"unit": "p95 ITL / SLO", "help": "ITL loop setpoint"}
+    )
+    method: str = field(
+        default="simc", metadata={"unit": "simc|imc", "help": "tuning rule from the plant"}
+    )
+    tc_s: float = field(
+        default=0.0,
+        metadata={"unit": "s", "help": "closed-loop time constant (0: the plant's dead time)"},
+    )
+    kp_tokens_per_s: float = field(
+        default=20000.0,
+        metadata={"unit": "tokens/s per SLO", "help": "proportional gain when no plant is given"},
+    )
+    ki_tokens_per_s2: float = field(
+        default=4000.0,
+        metadata={"unit": "tokens/s per SLO-s", "help": "integral gain when no plant is given"},
+    )
+    decrease_boost: float = field(
+        default=2.0,
+        metadata={"unit": "1", "help": "gain multiplier when a loop asks to cut (convex plant)"},
+    )
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ConfigError(f"pi.method must be one of {METHODS}, got {self.method!r}")
+        for name in ("setpoint_ttft_norm", "setpoint_itl_norm"):
+            if not 0 < getattr(self, name) <= 1.0:
+                raise ConfigError(f"pi.{name} must be in (0, 1], got {getattr(self, name)!r}")
+        for name in ("tc_s", "kp_tokens_per_s", "ki_tokens_per_s2"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"pi.{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.decrease_boost < 1.0:
+            raise ConfigError(f"pi.decrease_boost must be >= 1, got {self.decrease_boost!r}")
+
+
+def pi_gains(fit: FopdtFit, method: str, tc_s: float, tick_s: float) -> PiGains:
+    """PI gains for a FOPDT plant sampled every `tick_s`.
+
+    The sample-and-hold adds half a tick to the dead time theta. With tc (default theta):
+    SIMC (Skogestad 2003): kc = tau / (K (tc + theta)), Ti = min(tau, 4 (tc + theta));
+    IMC (Rivera et al. 1986): kc = (tau + theta/2) / (K (tc + theta/2)), Ti = tau + theta/2.
+    """
+    if fit.gain <= 0:
+        raise ConfigError(f"PI tuning needs a positive plant gain, got {fit.gain!r}")
+    if method not in METHODS:
+        raise ConfigError(f"tuning method must be one of {METHODS}, got {method!r}")
+    theta = fit.dead_s + tick_s / 2.0
+    tc = tc_s if tc_s > 0 else theta
+    if method == "simc":
+        kc = fit.tau_s / (fit.gain * (tc + theta))
+        ti = min(fit.tau_s, 4.0 * (tc + theta))
+    else:
+        kc = (fit.tau_s + theta / 2.0) / (fit.gain * (tc + theta / 2.0))
+        ti = fit.tau_s + theta / 2.0
+    return PiGains(kp=kc, ki_per_s=kc / ti)
+
+
+def pi_step(
+    loops: tuple[PiLoop, ...],
+    state: PiState,
+    outputs: tuple[float, ...],
+    u_applied: float,
+    dt_s: float,
+    u_min: float,
+    u_max: float,
+    *,
+    du_ff: float = 0.0,
+    gain_scales: tuple[float, ...] | None = None,
+    decrease_boost: float = 1.0,
+) -> PiResult:
+    """One tick of the min-selected velocity PI (see the module docstring).
+
+    `outputs[i]` is loop i's normalised measurement (NaN: that loop sits this tick out);
+    `u_applied` is the input applied last tick (external reset); `gain_scales[i]` multiplies
+    loop i's gains (gain scheduling; default 1); a loop whose increment is negative is multiplied by
+    `decrease_boost` too, since latency rises faster above the setpoint than it falls below.
+    """
+    candidates: list[float] = []
+    errors = []
+    scales = gain_scales if gain_scales is not None else (1.0,) * len(loops)
+    for loop, y, e_prev, scale in zip(loops, outputs, state.errors, scales, strict=True):
+        if not math.isfinite(y):
+            errors.append(math.nan)
+            candidates.append(math.inf)
+            continue
+        e = loop.setpoint - y
+        de = e - e_prev if math.isfinite(e_prev) else 0.0
+        du = scale * (loop.gains.kp * de + loop.gains.ki_per_s * dt_s * e)
+        if du < 0:
+            du *= decrease_boost
+        errors.append(e)
+        candidates.append(u_applied + du + du_ff)
+    best = min(candidates, default=math.inf)
+    if math.isinf(best):
+        u, selected = u_applied, -1
+    else:
+        u, selected = best, candidates.index(best)
+    return PiResult(
+        u=min(max(u, u_min), u_max), state=PiState(errors=tuple(errors)), selected=selected
+    )
