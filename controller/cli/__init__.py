@@ -16,6 +16,7 @@ from models.errors import BorrowdError
 # or more subcommands whose parsers set `func(args) -> int`.
 COMMAND_MODULES: tuple[str, ...] = (
     "controller.cli.sim",
+    "controller.cli.ops",
 )
 
 
