@@ -1,0 +1,114 @@
+"""The proxy's Prometheus metrics, per pool and class: what the daemon reads as its sensor.
+
+Names and labels are a contract with the daemon (see the team brief); TTFT and ITL use
+vLLM's bucket boundaries. `InflightTracker` keeps the requests still waiting for a first
+token, so `borrowd_proxy_oldest_wait_seconds` is computed at scrape time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from adapters.proxy.buckets import ITL_BUCKETS_S, REQUEST_LATENCY_BUCKETS_S, TTFT_BUCKETS_S
+from adapters.proxy.config import RequestClass
+
+OUTCOMES = ("success", "error", "rejected", "revoked", "truncated", "client_disconnect",
+            "timeout")
+CLASSES = tuple(c.value for c in RequestClass)
+
+
+class InflightTracker:
+    """Start times of in-flight requests per class that have no first token yet.
+
+    Dicts keep insertion order, so the first entry is the oldest waiter.
+    """
+
+    def __init__(self) -> None:
+        self._waiting: dict[str, dict[str, float]] = {c: {} for c in CLASSES}
+
+    def waiting(self, request_class: str, request_id: str, started_s: float) -> None:
+        """Mark `request_id` as waiting for its first token since `started_s`."""
+        self._waiting[request_class][request_id] = started_s
+
+    def settled(self, request_class: str, request_id: str) -> None:
+        """`request_id` got its first token or ended."""
+        self._waiting[request_class].pop(request_id, None)
+
+    def oldest_wait_s(self, request_class: str, now_s: float) -> float:
+        """Age of the oldest waiter of the class (0 when none)."""
+        for started_s in self._waiting[request_class].values():
+            return max(0.0, now_s - started_s)
+        return 0.0
+
+
+class _OldestWaitCollector(Collector):
+    def __init__(self, pool: str, tracker: InflightTracker, clock: Callable[[], float]) -> None:
+        self._pool = pool
+        self._tracker = tracker
+        self._clock = clock
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "borrowd_proxy_oldest_wait_seconds",
+            "Age of the oldest in-flight request still waiting for its first token (0 if none).",
+            labels=["pool", "class"],
+        )
+        now_s = self._clock()
+        for klass in CLASSES:
+            family.add_metric([self._pool, klass], self._tracker.oldest_wait_s(klass, now_s))
+        yield family
+
+
+class ProxyMetrics:
+    """Every proxy metric, with label children bound once per class for the hot path."""
+
+    def __init__(
+        self,
+        pool: str,
+        registry: CollectorRegistry,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.registry = registry
+        self.tracker = InflightTracker()
+        ttft = Histogram("borrowd_proxy_ttft_seconds",
+                         "Time from request arrival at the proxy to the first token.",
+                         ["pool", "class"], registry=registry, buckets=TTFT_BUCKETS_S)
+        itl = Histogram("borrowd_proxy_itl_seconds",
+                        "Gap between consecutive streamed token chunks.",
+                        ["pool", "class"], registry=registry, buckets=ITL_BUCKETS_S)
+        requests = Counter("borrowd_proxy_requests_total", "Requests by final outcome.",
+                           ["pool", "class", "outcome"], registry=registry)
+        tokens = Counter("borrowd_proxy_tokens_total", "Tokens by kind (prompt, output).",
+                         ["pool", "class", "kind"], registry=registry)
+        queue = Histogram("borrowd_proxy_queue_seconds",
+                          "Time a request waited for admission.", ["pool", "class"],
+                          registry=registry, buckets=REQUEST_LATENCY_BUCKETS_S)
+        revocations = Counter("borrowd_proxy_revocations_total",
+                              "Batch streams ended by a revocation.", ["pool"],
+                              registry=registry)
+        inflight = Gauge("borrowd_proxy_inflight", "Requests in flight.", ["pool", "class"],
+                         registry=registry)
+        registry.register(_OldestWaitCollector(pool, self.tracker, clock))
+
+        self.ttft = {c: ttft.labels(pool, c) for c in CLASSES}
+        self.itl = {c: itl.labels(pool, c) for c in CLASSES}
+        self.queue = {c: queue.labels(pool, c) for c in CLASSES}
+        self.inflight = {c: inflight.labels(pool, c) for c in CLASSES}
+        self.requests = {(c, o): requests.labels(pool, c, o) for c in CLASSES for o in OUTCOMES}
+        self.prompt_tokens = {c: tokens.labels(pool, c, "prompt") for c in CLASSES}
+        self.output_tokens = {c: tokens.labels(pool, c, "output") for c in CLASSES}
+        self.revocations = revocations.labels(pool)
+
+    def finished(self, request_class: str, outcome: str, prompt_tokens: int,
+                 output_tokens: int) -> None:
+        """Count one finished request and its tokens."""
+        self.requests[(request_class, outcome)].inc()
+        if prompt_tokens:
+            self.prompt_tokens[request_class].inc(prompt_tokens)
+        if output_tokens:
+            self.output_tokens[request_class].inc(output_tokens)

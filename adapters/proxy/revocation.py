@@ -1,0 +1,99 @@
+"""Admitted batch requests in flight: revocation from the gate's stream, lease renewal.
+
+`BatchRegistry` holds the in-flight batch requests of this proxy. `watch_revocations`
+reads the pool's revoke stream and, for each request it names that this proxy serves,
+closes the upstream response (vLLM aborts the request and frees its KV on disconnect); the
+request's handler then ends the client's stream with a resumable `preempted` chunk.
+`renew_leases` keeps the gate's admission leases of long streams alive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from adapters.proxy.admission import GATE_ERRORS, GateLike
+
+log = logging.getLogger(__name__)
+
+
+class BatchStream:
+    """One admitted batch request in flight; `revoke()` may come from another task."""
+
+    __slots__ = ("_close_upstream", "request_id", "revoked", "revoked_reason")
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.revoked = False
+        self.revoked_reason = ""
+        self._close_upstream: Callable[[], None] | None = None
+
+    def attach(self, close_upstream: Callable[[], None]) -> None:
+        """Register how to drop the upstream connection; runs at once if already revoked."""
+        self._close_upstream = close_upstream
+        if self.revoked:
+            close_upstream()
+
+    def revoke(self, reason: str) -> None:
+        """Mark revoked and drop the upstream connection (idempotent)."""
+        if self.revoked:
+            return
+        self.revoked = True
+        self.revoked_reason = reason
+        if self._close_upstream is not None:
+            self._close_upstream()
+
+
+class BatchRegistry:
+    """In-flight batch requests of this proxy by request id."""
+
+    def __init__(self) -> None:
+        self.streams: dict[str, BatchStream] = {}
+
+    def add(self, request_id: str) -> BatchStream:
+        """Track a newly admitted batch request."""
+        stream = BatchStream(request_id)
+        self.streams[request_id] = stream
+        return stream
+
+    def remove(self, request_id: str) -> None:
+        """Forget a finished request."""
+        self.streams.pop(request_id, None)
+
+    def revoke(self, request_id: str, reason: str) -> bool:
+        """Revoke `request_id` if this proxy serves it; True when it did."""
+        stream = self.streams.get(request_id)
+        if stream is None:
+            return False
+        stream.revoke(reason)
+        return True
+
+
+async def watch_revocations(gate: GateLike, registry: BatchRegistry,
+                            on_revoked: Callable[[str], None], *, block_ms: int = 1000,
+                            retry_s: float = 0.5) -> None:
+    """Read the revoke stream forever and revoke the named requests served here."""
+    last_id = "$"
+    while True:
+        try:
+            last_id, entries = await gate.revocations(last_id, block_ms=block_ms)
+        except GATE_ERRORS as exc:
+            log.warning("revoke stream unreadable, retrying in %.1f s: %r", retry_s, exc)
+            await asyncio.sleep(retry_s)
+            continue
+        for entry in entries:
+            if registry.revoke(entry.request_id, entry.reason):
+                on_revoked(entry.request_id)
+
+
+async def renew_leases(gate: GateLike, registry: BatchRegistry, interval_s: float) -> None:
+    """Renew the admission lease of every in-flight batch request every `interval_s`."""
+    while True:
+        await asyncio.sleep(interval_s)
+        for request_id in list(registry.streams):
+            try:
+                await gate.renew(request_id)
+            except GATE_ERRORS as exc:
+                log.warning("lease renewal failed for %s: %r", request_id, exc)
+                break
