@@ -327,8 +327,14 @@ class LeaderElection:
         self.epoch = None
 
 
-def _newer(candidate: Budget, current: Budget | None) -> bool:
-    return current is None or (candidate.epoch, candidate.seq) > (current.epoch, current.seq)
+def _supersedes(candidate: Budget, current: Budget | None, now_s: float) -> bool:
+    """True when `candidate` should replace `current`: it is newer by (epoch, seq), or the
+    current one has lapsed (a restarted Redis starts its seq counter again)."""
+    return (
+        current is None
+        or (candidate.epoch, candidate.seq) > (current.epoch, current.seq)
+        or not current.is_fresh(now_s)
+    )
 
 
 class _WatchedRecord:
@@ -340,24 +346,24 @@ class _WatchedRecord:
         self._budget: Budget | None = None
         self.last_status = ReadStatus.ABSENT
 
-    def on_push(self, payload: str) -> None:
+    def on_push(self, payload: str, now_s: float) -> None:
         try:
             budget = Budget.from_json(payload)
         except BudgetRecordError as exc:
             log.warning("budget_push_unusable", pool=self.pool, reason="malformed", detail=str(exc))
             return
         with self._lock:
-            if budget.pool == self.pool and _newer(budget, self._budget):
+            if budget.pool == self.pool and _supersedes(budget, self._budget, now_s):
                 self._budget = budget
                 self.last_status = ReadStatus.OK
 
-    def on_poll(self, read: RecordRead) -> None:
+    def on_poll(self, read: RecordRead, now_s: float) -> None:
         with self._lock:
             self.last_status = read.status
             if read.budget is None:
                 # The store is authoritative: no usable record there means none here.
                 self._budget = None
-            elif _newer(read.budget, self._budget):
+            elif _supersedes(read.budget, self._budget, now_s):
                 self._budget = read.budget
 
     def current(self, now_s: float) -> Budget | None:
@@ -398,7 +404,8 @@ class BudgetWatcher:
 
     def poll_once(self) -> None:
         """Read the store now (also called by the thread every `poll_s`)."""
-        self._record.on_poll(self.store.read_record(self.clock()))
+        now_s = self.clock()
+        self._record.on_poll(self.store.read_record(now_s), now_s)
 
     def start(self) -> BudgetWatcher:
         """Start the watching thread; returns self."""
@@ -435,7 +442,7 @@ class BudgetWatcher:
                     wait_s = max(0.0, min(0.2, next_poll - time.monotonic()))
                     message = pubsub.get_message(timeout=wait_s)
                     if message and message.get("type") == "message":
-                        self._record.on_push(message["data"])
+                        self._record.on_push(message["data"], self.clock())
                     if time.monotonic() >= next_poll:
                         self.poll_once()
                         next_poll = time.monotonic() + self.poll_s
@@ -473,7 +480,8 @@ class AsyncBudgetWatcher:
 
     async def poll_once(self) -> None:
         """Read the store now (also done by the task every `poll_s`)."""
-        self._record.on_poll(await self.store.read_record(self.clock()))
+        now_s = self.clock()
+        self._record.on_poll(await self.store.read_record(now_s), now_s)
 
     async def start(self) -> AsyncBudgetWatcher:
         """Start the watching task; returns self."""
@@ -509,7 +517,7 @@ class AsyncBudgetWatcher:
                     wait_s = max(0.0, min(0.2, next_poll - loop.time()))
                     message = await pubsub.get_message(timeout=wait_s)
                     if message and message.get("type") == "message":
-                        self._record.on_push(message["data"])
+                        self._record.on_push(message["data"], self.clock())
                     if loop.time() >= next_poll:
                         await self.poll_once()
                         next_poll = loop.time() + self.poll_s

@@ -213,3 +213,37 @@ def _http_ok(url: str) -> bool:
             return response.status == 200
     except (urllib.error.URLError, OSError):
         return False
+
+
+def start_nginx(server_blocks: str, port: int) -> ServerProcess:
+    """A throw-away nginx (foreground, own prefix and temp dirs) serving `server_blocks`.
+
+    `server_blocks` is the text inside `http { }`; it must listen on 127.0.0.1:`port`.
+    """
+    binary = shutil.which("nginx") or "/usr/sbin/nginx"
+    if not Path(binary).exists():
+        raise RuntimeError("nginx is not installed (Debian package nginx-light)")
+    workdir = Path(tempfile.mkdtemp(prefix="borrowd-nginx-"))
+    for sub in ("body", "proxy", "fastcgi", "uwsgi", "scgi"):
+        (workdir / sub).mkdir()
+    conf = workdir / "nginx.conf"
+    conf.write_text(
+        f"""daemon off;
+master_process on;
+worker_processes 1;
+pid {workdir}/nginx.pid;
+error_log {workdir}/error.log info;
+events {{ worker_connections 256; }}
+http {{
+    access_log {workdir}/access.log;
+    client_body_temp_path {workdir}/body;
+    proxy_temp_path {workdir}/proxy;
+    fastcgi_temp_path {workdir}/fastcgi;
+    uwsgi_temp_path {workdir}/uwsgi;
+    scgi_temp_path {workdir}/scgi;
+{server_blocks}
+}}
+"""
+    )
+    return start_process("nginx", [binary, "-p", str(workdir), "-c", str(conf)], port,
+                         workdir=workdir)
