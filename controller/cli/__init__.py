@@ -17,6 +17,7 @@ from models.errors import BorrowdError
 COMMAND_MODULES: tuple[str, ...] = (
     "controller.cli.sim",
     "controller.cli.ops",
+    "controller.cli.daemon",
     "controller.cli.serve",
 )
 

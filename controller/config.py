@@ -1,0 +1,418 @@
+"""The daemon's configuration: one typed tree of frozen dataclasses, loaded from TOML.
+
+Sections: `daemon` (metrics listener, log level, holder id), `redis` (URL: plain, TLS or
+Sentinel), `prometheus` (URL, timeout, rule window) and `[[pools]]` (name, leases, plant, and
+the controller's own tree from `controller.policy`: tick, SLOs, law, supervisor, caps). Every
+field carries its unit and a one-line help text in its metadata; validation errors, the
+documented example
+(`borrowd config example`) and the environment overrides (`BORROWD_<SECTION>_<KEY>` for the
+scalar keys of `daemon`, `redis` and `prometheus`) all come from those same fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import os
+import re
+import socket
+import tomllib
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from controller.policy import ControllerConfig
+from models.errors import BorrowdError, ConfigError
+
+ENV_PREFIX = "BORROWD_"
+ENV_SECTIONS = ("daemon", "redis", "prometheus")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+POOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+DURATION = re.compile(r"^[1-9][0-9]*(s|m)$")
+HOST_PORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]*):([0-9]{1,5})$")
+
+
+def meta(unit: str, help: str, **checks: Any) -> dict[str, Any]:
+    """Field metadata: unit, one-line help, and optional checks (`min`, `max`, `choices`,
+    `pattern`, `example`: a value shown in the example config for a field without default)."""
+    return {"unit": unit, "help": help, **checks}
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    """The daemon process: its own metrics endpoint, logging and leader identity."""
+
+    metrics_listen: str = field(
+        default="127.0.0.1:9105",
+        metadata=meta("host:port", "where the daemon serves its own /metrics ('' disables)",
+                      pattern=HOST_PORT.pattern, allow_empty=True),
+    )
+    log_level: str = field(
+        default="info", metadata=meta("level", "least severe log level written", choices=LOG_LEVELS)
+    )
+    holder_id: str = field(
+        default="",
+        metadata=meta("id", "this replica's name in leader election ('' = hostname:pid)"),
+    )
+
+    def resolved_holder_id(self) -> str:
+        """`holder_id`, or hostname:pid when it is empty."""
+        return self.holder_id or f"{socket.gethostname()}:{os.getpid()}"
+
+
+@dataclass(frozen=True)
+class RedisConfig:
+    """Where budgets are published (`redis://`, `rediss://` for TLS, `redis+sentinel://`)."""
+
+    url: str = field(
+        default="redis://127.0.0.1:6379/0",
+        metadata=meta(
+            "URL",
+            "Redis URL; put a password in BORROWD_REDIS_URL (environment file), not here",
+            pattern=r"^(redis|rediss|unix|redis\+sentinel|rediss\+sentinel)://",
+        ),
+    )
+    connect_timeout_s: float = field(
+        default=1.0, metadata=meta("s", "TCP connect timeout to Redis", min=0.01, max=30.0)
+    )
+    socket_timeout_s: float = field(
+        default=1.0, metadata=meta("s", "timeout of one Redis command", min=0.01, max=30.0)
+    )
+
+
+@dataclass(frozen=True)
+class PrometheusConfig:
+    """Where the signals come from: Prometheus with borrowd's recording rules loaded."""
+
+    url: str = field(
+        default="http://127.0.0.1:9090",
+        metadata=meta("URL", "Prometheus base URL", pattern=r"^https?://"),
+    )
+    timeout_s: float = field(
+        default=0.5,
+        metadata=meta("s", "timeout of one query; a query is tried once", min=0.01, max=30.0),
+    )
+    window: str = field(
+        default="15s",
+        metadata=meta(
+            "duration",
+            "window of the recording rules read (15s needs scrape <= 5 s, 1m needs <= 15 s)",
+            pattern=DURATION.pattern,
+        ),
+    )
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """One pool: the fleet one budget governs, its leases, and its controller (tick, SLOs)."""
+
+    name: str = field(
+        metadata=meta("name", "pool name (Redis keys, metric label `pool`)",
+                      pattern=POOL_NAME.pattern, example="chat"),
+    )
+    leader_lease_ms: int = field(
+        default=5000,
+        metadata=meta("ms", "leader lease; a dead leader is replaced after at most this",
+                      min=100, max=600_000),
+    )
+    budget_ttl_ms: int = field(
+        default=5000,
+        metadata=meta("ms", "lease of each published budget; adapters close batch after it",
+                      min=100, max=600_000),
+    )
+    plant_file: str = field(
+        default="",
+        metadata=meta("path", "plant.json from `borrowd identify` ('' = the controller's default)"),
+    )
+    controller: ControllerConfig = field(
+        default_factory=ControllerConfig,
+        metadata=meta("table", "the controller: tick, SLOs, law, gains, supervisor, caps"),
+    )
+
+    @property
+    def tick_s(self) -> float:
+        """The pool's control period (the controller's `tick_s`)."""
+        return self.controller.tick_s
+
+
+@dataclass(frozen=True)
+class BorrowdConfig:
+    """The whole daemon configuration."""
+
+    daemon: DaemonConfig = field(
+        default_factory=DaemonConfig, metadata=meta("table", "the daemon process")
+    )
+    redis: RedisConfig = field(
+        default_factory=RedisConfig, metadata=meta("table", "budget store")
+    )
+    prometheus: PrometheusConfig = field(
+        default_factory=PrometheusConfig, metadata=meta("table", "signal source")
+    )
+    pools: tuple[PoolConfig, ...] = field(
+        default=(), metadata=meta("array", "pools this daemon controls, one [[pools]] each")
+    )
+
+    def __post_init__(self) -> None:
+        if not self.pools:
+            raise ConfigError("pools: at least one [[pools]] table is required")
+        names = [pool.name for pool in self.pools]
+        for name in names:
+            if names.count(name) > 1:
+                raise ConfigError(f"pools: pool name {name!r} appears more than once")
+        for index, pool in enumerate(self.pools):
+            if pool.budget_ttl_ms < 2 * pool.tick_s * 1000:
+                raise ConfigError(
+                    f"pools[{index}].budget_ttl_ms = {pool.budget_ttl_ms}: must cover at least "
+                    f"two ticks ({2 * pool.tick_s * 1000:.0f} ms) so one slow tick does not "
+                    "close batch"
+                )
+            if pool.leader_lease_ms < 2 * pool.tick_s * 1000:
+                raise ConfigError(
+                    f"pools[{index}].leader_lease_ms = {pool.leader_lease_ms}: must cover at "
+                    f"least two ticks ({2 * pool.tick_s * 1000:.0f} ms), renewal happens once a "
+                    "tick"
+                )
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading: TOML tables -> dataclasses, with every error naming the key path and the value.
+
+
+def load_config(path: str | Path, environ: Mapping[str, str] | None = None) -> BorrowdConfig:
+    """Read, override from the environment, and validate the config at `path`."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {path} cannot be read: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    return config_from_mapping(data, os.environ if environ is None else environ)
+
+
+def config_from_mapping(
+    data: Mapping[str, Any], environ: Mapping[str, str] | None = None
+) -> BorrowdConfig:
+    """Build and validate the config from parsed TOML plus environment overrides."""
+    merged = apply_env_overrides(data, environ or {})
+    return build_dataclass(BorrowdConfig, merged, "")
+
+
+def apply_env_overrides(data: Mapping[str, Any], environ: Mapping[str, str]) -> dict[str, Any]:
+    """`data` with `BORROWD_<SECTION>_<KEY>` values applied (parsed by the field's type)."""
+    merged = {key: (dict(value) if isinstance(value, Mapping) else value)
+              for key, value in data.items()}
+    hints = typing.get_type_hints(BorrowdConfig)
+    for section in ENV_SECTIONS:
+        section_cls = hints[section]
+        section_hints = typing.get_type_hints(section_cls)
+        for item in dataclasses.fields(section_cls):
+            name = f"{ENV_PREFIX}{section.upper()}_{item.name.upper()}"
+            if name not in environ:
+                continue
+            text = environ[name]
+            value = _parse_env_value(text, section_hints[item.name], name)
+            table = merged.setdefault(section, {})
+            if not isinstance(table, dict):
+                raise ConfigError(f"{section}: must be a table, got {table!r}")
+            table[item.name] = value
+    return merged
+
+
+def _parse_env_value(text: str, kind: Any, name: str) -> Any:
+    if kind is str:
+        return text
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        raise ConfigError(
+            f"environment {name} = {text!r} is not a valid {_type_name(kind)}"
+        ) from None
+
+
+def build_dataclass(cls: type, data: Any, path: str) -> Any:
+    """An instance of dataclass `cls` from table `data`; ConfigError names `path.key`."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{path or 'config'}: must be a table, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    known = {item.name: item for item in dataclasses.fields(cls) if item.init}
+    for key in data:
+        if key not in known:
+            raise ConfigError(
+                f"{_join(path, key)}: unknown key (known: {', '.join(sorted(known))})"
+            )
+    values = {}
+    for name, item in known.items():
+        key_path = _join(path, name)
+        if name in data:
+            values[name] = _convert(data[name], hints[name], key_path)
+            _check(values[name], item.metadata, key_path)
+        elif item.default is dataclasses.MISSING and item.default_factory is dataclasses.MISSING:
+            raise ConfigError(f"{key_path}: required key is missing")
+    try:
+        return cls(**values)
+    except ConfigError as exc:
+        message = str(exc)
+        if path and not message.startswith(path):
+            message = f"{path}: {message}"
+        raise ConfigError(message) from None
+    except (BorrowdError, ValueError, TypeError) as exc:
+        raise ConfigError(f"{path or 'config'}: {exc}") from None
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _type_name(kind: Any) -> str:
+    return getattr(kind, "__name__", str(kind))
+
+
+def _convert(value: Any, kind: Any, path: str) -> Any:
+    origin = typing.get_origin(kind)
+    if origin in (types.UnionType, typing.Union):
+        options = [arg for arg in typing.get_args(kind) if arg is not type(None)]
+        errors = []
+        for option in options:
+            try:
+                return _convert(value, option, path)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{path}: bad value {value!r}")
+    if origin is tuple:
+        args = typing.get_args(kind)
+        if not isinstance(value, list):
+            raise ConfigError(f"{path}: must be an array, got {value!r}")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_convert(item, args[0], f"{path}[{i}]") for i, item in enumerate(value))
+        if len(args) != len(value):
+            raise ConfigError(f"{path}: must have {len(args)} items, got {len(value)}")
+        pairs = enumerate(zip(args, value, strict=True))
+        return tuple(_convert(item, arg, f"{path}[{i}]") for i, (arg, item) in pairs)
+    if dataclasses.is_dataclass(kind):
+        return build_dataclass(kind, value, path)
+    if isinstance(kind, type) and issubclass(kind, enum.Enum):
+        try:
+            return kind(value)
+        except ValueError:
+            choices = ", ".join(repr(member.value) for member in kind)
+            raise ConfigError(f"{path}: bad value {value!r} (one of {choices})") from None
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: must be true or false, got {value!r}")
+        return value
+    if kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: must be an integer, got {value!r}")
+        return value
+    if kind is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{path}: must be a number, got {value!r}")
+        if math.isnan(float(value)):
+            raise ConfigError(f"{path}: must be a number, got nan")
+        return float(value)
+    if kind is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: must be a string, got {value!r}")
+        return value
+    raise ConfigError(f"{path}: values of type {_type_name(kind)} cannot be configured")
+
+
+def _check(value: Any, metadata: Mapping[str, Any], path: str) -> None:
+    if "min" in metadata and isinstance(value, int | float) and value < metadata["min"]:
+        raise ConfigError(f"{path}: {value!r} is below the minimum {metadata['min']!r}")
+    if "max" in metadata and isinstance(value, int | float) and value > metadata["max"]:
+        raise ConfigError(f"{path}: {value!r} is above the maximum {metadata['max']!r}")
+    if "choices" in metadata and value not in metadata["choices"]:
+        choices = ", ".join(repr(choice) for choice in metadata["choices"])
+        raise ConfigError(f"{path}: bad value {value!r} (one of {choices})")
+    if "pattern" in metadata and isinstance(value, str):
+        if value == "" and metadata.get("allow_empty"):
+            return
+        if not re.match(metadata["pattern"], value):
+            raise ConfigError(f"{path}: bad value {value!r} (must match {metadata['pattern']})")
+
+
+# ---------------------------------------------------------------------------------------------
+# The documented example, generated from the same fields.
+
+
+def example_config(pool_example: str = "chat") -> str:
+    """The documented example config: every field with its help, unit and default."""
+    lines = [
+        "# borrowd daemon configuration (`borrowd run --config FILE`).",
+        "# Generated by `borrowd config example` from the config's own field metadata:",
+        "# each key shows its default; `# help [unit]` above it says what it means.",
+        f"# Scalar keys of {', '.join(ENV_SECTIONS)} can be overridden from the environment as",
+        "# BORROWD_<SECTION>_<KEY>, e.g. BORROWD_REDIS_URL (keep secrets there, not here).",
+        "",
+    ]
+    hints = typing.get_type_hints(BorrowdConfig)
+    for item in dataclasses.fields(BorrowdConfig):
+        if item.name == "pools":
+            continue
+        _emit_table(lines, hints[item.name], item.name, array=False, help=item.metadata["help"])
+    _emit_table(lines, PoolConfig, "pools", array=True,
+                help=BorrowdConfig.__dataclass_fields__["pools"].metadata["help"])
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _emit_table(lines: list[str], cls: type, path: str, *, array: bool, help: str) -> None:
+    hints = typing.get_type_hints(cls)
+    lines.append(f"# {help[0].upper()}{help[1:]}.")
+    if cls.__doc__:
+        lines.append(f"# {cls.__doc__.strip().splitlines()[0]}")
+    lines.append(f"[[{path}]]" if array else f"[{path}]")
+    nested = []
+    for item in dataclasses.fields(cls):
+        if not item.init:
+            continue
+        kind = hints[item.name]
+        if dataclasses.is_dataclass(kind):
+            nested.append((item, kind))
+            continue
+        value = _default_of(item)
+        unit = item.metadata.get("unit", "")
+        lines.append(f"# {item.metadata.get('help', item.name)}" + (f" [{unit}]" if unit else ""))
+        if value is None:
+            lines.append(f"# {item.name} =  (unset by default)")
+        else:
+            lines.append(f"{item.name} = {toml_value(value)}")
+    lines.append("")
+    for item, kind in nested:
+        _emit_table(lines, kind, f"{path}.{item.name}", array=False,
+                    help=item.metadata.get("help", item.name))
+
+
+def _default_of(item: dataclasses.Field) -> Any:
+    if item.default is not dataclasses.MISSING:
+        return item.default
+    if item.default_factory is not dataclasses.MISSING:
+        return item.default_factory()
+    return item.metadata.get("example")
+
+
+def toml_value(value: Any) -> str:
+    """`value` written as a TOML literal."""
+    if isinstance(value, enum.Enum):
+        return toml_value(value.value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return repr(value)
+    if isinstance(value, str):
+        escaped = value.replace("\\", "\\\\").replace('"', '\\"')
+        return f'"{escaped}"'
+    if isinstance(value, tuple | list):
+        return "[" + ", ".join(toml_value(item) for item in value) + "]"
+    raise ConfigError(f"cannot write {value!r} as TOML")
