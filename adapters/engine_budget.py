@@ -1,0 +1,137 @@
+"""The engine plugin's arithmetic, apart from vLLM: per-step batch allowance and step timing.
+
+    batch_tokens_per_step = 0                                   no usable record, or it
+                                                                admits no batch work
+                          = max(floor, batch_tokens_per_s * recent_step_s)   otherwise
+
+A running batch request thus always gets at least `floor` tokens while the budget is open
+(never starved into holding its KV forever), and none once the budget is zero, missing or
+expired. `adapters.vllm_plugin` applies it inside vLLM's scheduler.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+from models.budget import Budget
+from models.errors import ConfigError
+
+DEFAULT_BATCH_PRIORITY = 10  # the proxy's and the gate's default batch priority
+DEFAULT_POLL_S = 1.0
+DEFAULT_MIN_BATCH_TOKENS_PER_STEP = 16  # one KV block of the default block size
+INITIAL_STEP_S = 0.03  # until a step was timed: a decode step of an 8B model on an H100
+MAX_STEP_S = 1.0  # a stall (idle engine, debugger) must not turn into a huge allowance
+STEP_EMA_WEIGHT = 0.2  # weight of the newest step in the recent step time
+
+
+class BudgetSource(Protocol):
+    """Where the plugin reads the pool's budget (`adapters.store.BudgetWatcher` in production)."""
+
+    def current(self, now_s: float) -> Budget | None:
+        """The fresh record at `now_s`, or None."""
+        ...
+
+
+class StaticBudgetSource:
+    """A budget set by the caller (simulations and tests); `None` means no record."""
+
+    def __init__(self, budget: Budget | None = None) -> None:
+        self.budget = budget
+
+    def current(self, now_s: float) -> Budget | None:
+        """The budget last set, whatever `now_s`."""
+        return self.budget
+
+
+@dataclass(frozen=True)
+class PluginConfig:
+    """Settings of the engine plugin, from environment variables (see `from_env`)."""
+
+    pool: str
+    redis_url: str
+    batch_priority: int = DEFAULT_BATCH_PRIORITY
+    poll_s: float = DEFAULT_POLL_S
+    min_batch_tokens_per_step: int = DEFAULT_MIN_BATCH_TOKENS_PER_STEP
+
+    def __post_init__(self) -> None:
+        if not self.pool:
+            raise ConfigError("BORROWD_POOL must name the pool whose budget this engine enforces")
+        if not self.poll_s > 0:
+            raise ConfigError(f"BORROWD_BUDGET_POLL_S must be > 0, got {self.poll_s!r}")
+        if self.min_batch_tokens_per_step < 1:
+            raise ConfigError(
+                "BORROWD_MIN_BATCH_TOKENS_PER_STEP must be >= 1, "
+                f"got {self.min_batch_tokens_per_step!r}"
+            )
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> PluginConfig:
+        """Read `BORROWD_POOL` (required), `BORROWD_REDIS_URL`, `BORROWD_BATCH_PRIORITY`,
+        `BORROWD_BUDGET_POLL_S`, `BORROWD_MIN_BATCH_TOKENS_PER_STEP`."""
+        from adapters.redis_conn import resolve_redis_url
+
+        env = os.environ if env is None else env
+        return cls(
+            pool=env.get("BORROWD_POOL", ""),
+            redis_url=resolve_redis_url(env.get("BORROWD_REDIS_URL")),
+            batch_priority=_env_number(env, "BORROWD_BATCH_PRIORITY", int,
+                                       DEFAULT_BATCH_PRIORITY),
+            poll_s=_env_number(env, "BORROWD_BUDGET_POLL_S", float, DEFAULT_POLL_S),
+            min_batch_tokens_per_step=_env_number(env, "BORROWD_MIN_BATCH_TOKENS_PER_STEP", int,
+                                                  DEFAULT_MIN_BATCH_TOKENS_PER_STEP),
+        )
+
+
+def _env_number(env: Mapping[str, str], name: str, kind: type, default: float) -> float:
+    text = env.get(name)
+    if text is None or text == "":
+        return default
+    try:
+        return kind(text)
+    except ValueError:
+        raise ConfigError(f"{name} must be a {kind.__name__}, got {text!r}") from None
+
+
+def batch_tokens_per_step(budget: Budget | None, recent_step_s: float, floor_tokens: int) -> int:
+    """Batch tokens one engine step may schedule under `budget` (see the module docstring)."""
+    if budget is None or not budget.admits_batch:
+        return 0
+    return max(floor_tokens, math.floor(budget.batch_tokens_per_s * recent_step_s))
+
+
+def batch_seq_cap(budget: Budget | None) -> int:
+    """Batch sequences allowed to run at once: 0 without a record that admits batch work."""
+    if budget is None or not budget.admits_batch:
+        return 0
+    return budget.max_batch_seqs
+
+
+class StepTimer:
+    """Recent engine step time: an exponential average of (output time - schedule time).
+
+    Steps are matched first in, first out, so it also holds with two steps in flight
+    (asynchronous scheduling). Each step counts at most `MAX_STEP_S`.
+    """
+
+    def __init__(self, initial_s: float = INITIAL_STEP_S) -> None:
+        self.recent_s = initial_s
+        self._started: deque[float] = deque()
+
+    def started(self, now_s: float) -> None:
+        """A step was scheduled at `now_s`."""
+        self._started.append(now_s)
+
+    def finished(self, now_s: float) -> None:
+        """The oldest scheduled step's output arrived at `now_s`."""
+        if self._started:
+            self.observe(now_s - self._started.popleft())
+
+    def observe(self, step_s: float) -> None:
+        """Fold one step's duration into the recent step time."""
+        step_s = min(max(step_s, 0.0), MAX_STEP_S)
+        self.recent_s += STEP_EMA_WEIGHT * (step_s - self.recent_s)

@@ -1,0 +1,145 @@
+"""A vLLM V1 scheduler that enforces the pool's batch budget inside the engine.
+
+Load it into vLLM (checked against vLLM 0.33.0) with
+
+    BORROWD_POOL=chat BORROWD_REDIS_URL=redis://redis:6379/0 \\
+    vllm serve MODEL --scheduling-policy priority \\
+        --scheduler-cls adapters.vllm_plugin.BorrowdScheduler
+
+Requests whose priority is at or past `BORROWD_BATCH_PRIORITY` (default 10, what the proxy
+injects for batch) are batch. In each step they get together at most
+`max(floor, batch_tokens_per_s * recent step time)` tokens (`adapters.engine_budget`), and
+at most `max_batch_seqs` of them run; interactive requests are never held back by the
+plugin. A missing, expired or closed record means zero batch tokens. The record is read off
+the scheduling path by `adapters.store.BudgetWatcher` (a thread: pub/sub push plus a poll
+every `BORROWD_BUDGET_POLL_S`); `schedule()` only reads the newest copy in memory.
+
+Environment: `BORROWD_POOL` (required), `BORROWD_REDIS_URL` (default
+redis://127.0.0.1:6379/0), `BORROWD_BATCH_PRIORITY` (10), `BORROWD_BUDGET_POLL_S` (1.0),
+`BORROWD_MIN_BATCH_TOKENS_PER_STEP` (16, the floor).
+
+The cap is applied where vLLM decides each request's chunk, `_reserve_prefill_lookahead`
+(called once per request in both the RUNNING and the WAITING pass, just before KV
+allocation): returning 0 makes vLLM skip the request for this step and go on with the
+next, so the token budget a batch request does not get stays available to interactive ones.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import Request, RequestStatus
+
+from adapters.engine_budget import (
+    BudgetSource,
+    PluginConfig,
+    StepTimer,
+    batch_seq_cap,
+    batch_tokens_per_step,
+)
+from models.budget import Budget
+
+
+class BorrowdScheduler(Scheduler):
+    """vLLM's V1 scheduler with batch requests held to the pool's budget (module docstring).
+
+    vLLM builds it with the usual scheduler arguments; tests and the simulator may also pass
+    `budget_source` (instead of Redis), `plugin_config`, `clock` (wall seconds, for record
+    freshness) and `step_clock` (seconds, for step timing; None: steps are timed only by
+    `observe_step_s`).
+    """
+
+    def __init__(
+        self, *args: Any, budget_source: BudgetSource | None = None,
+        plugin_config: PluginConfig | None = None, clock: Callable[[], float] = time.time,
+        step_clock: Callable[[], float] | None = time.monotonic, **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.plugin_config = plugin_config or PluginConfig.from_env()
+        self.batch_priority = self.plugin_config.batch_priority
+        self._clock = clock
+        self._step_clock = step_clock
+        self._watcher = None
+        if budget_source is None:
+            budget_source = self._start_watcher()
+        self.budget_source = budget_source
+        self.step_timer = StepTimer()
+        self.budget: Budget | None = None
+        self.batch_allowance = 0
+        self.batch_seq_cap = 0
+        self._granted: dict[str, int] = {}
+
+    def _start_watcher(self) -> BudgetSource:
+        from adapters.redis_conn import connect
+        from adapters.store import BudgetWatcher
+
+        cfg = self.plugin_config
+        self._watcher = BudgetWatcher(connect(cfg.redis_url), cfg.pool, poll_s=cfg.poll_s,
+                                      clock=self._clock).start()
+        return self._watcher
+
+    def is_batch(self, request: Request) -> bool:
+        """True for a batch request (priority at or past the configured batch priority)."""
+        return request.priority >= self.batch_priority
+
+    def observe_step_s(self, step_s: float) -> None:
+        """Count one step of `step_s` seconds (the simulator's profile time) as recent."""
+        self.step_timer.observe(step_s)
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's schedule with this step's batch allowance and sequence cap in force."""
+        self.budget = self.budget_source.current(self._clock())
+        self.batch_allowance = batch_tokens_per_step(
+            self.budget, self.step_timer.recent_s, self.plugin_config.min_batch_tokens_per_step
+        )
+        self.batch_seq_cap = batch_seq_cap(self.budget)
+        self._granted = {}
+        out = super().schedule(*args, **kwargs)
+        if self._step_clock is not None and out.total_num_scheduled_tokens > 0:
+            self.step_timer.started(self._step_clock())
+        return out
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        """vLLM's update, timing the step that just ended."""
+        if self._step_clock is not None and scheduler_output.total_num_scheduled_tokens > 0:
+            self.step_timer.finished(self._step_clock())
+        return super().update_from_output(scheduler_output, model_runner_output)
+
+    def _reserve_prefill_lookahead(
+        self, request: Request, num_computed_tokens: int, num_new_tokens: int
+    ) -> int:
+        num_new_tokens = super()._reserve_prefill_lookahead(
+            request, num_computed_tokens, num_new_tokens
+        )
+        if num_new_tokens <= 0 or not self.is_batch(request):
+            return num_new_tokens
+        granted = min(num_new_tokens, self._batch_tokens_left(request))
+        if granted > 0:
+            self._granted[request.request_id] = granted
+        return granted
+
+    def _batch_tokens_left(self, request: Request) -> int:
+        """Batch tokens `request` may still get in this step (0: skip it this step)."""
+        live = {
+            rid: n for rid, n in self._granted.items()
+            if rid != request.request_id and self.requests[rid].status != RequestStatus.PREEMPTED
+        }
+        if len(live) >= self.batch_seq_cap:
+            return 0
+        if request.status != RequestStatus.RUNNING:
+            running_batch = sum(
+                1 for r in self.running if r.status == RequestStatus.RUNNING and self.is_batch(r)
+            )
+            if running_batch >= self.batch_seq_cap:
+                return 0
+        return max(0, self.batch_allowance - sum(live.values()))
+
+    def shutdown(self) -> None:
+        """Stop the budget watcher, then vLLM's own shutdown."""
+        if self._watcher is not None:
+            self._watcher.stop()
+            self._watcher = None
+        super().shutdown()

@@ -1,0 +1,200 @@
+"""Drive vLLM's real V1 `Scheduler` on a CPU, and run one request stream through two engines.
+
+Builds a scheduler from a folder holding only a Llama-3-8B `config.json` (no hub, no
+weights), feeds it `Request`s, answers each step with a hand-built `ModelRunnerOutput`, and
+runs the same stream through the native simulator engine and `VllmEngine` step by step, so
+their decisions can be compared request by request (`run_lockstep`, `compare_traces`).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from models.sim.engine import Engine, EngineConfig
+from models.sim.profiles import H100_LLAMA3_8B, StepProfile
+from models.sim.request import BATCH, INTERACTIVE, Request
+from models.sim.vllm_core import (
+    VllmEngine,
+    build_scheduler,
+    default_model_dir,
+    make_vllm_request,
+    model_runner_output,
+)
+
+INTERACTIVE_PRIORITY = 0
+BATCH_PRIORITY = 10
+
+
+def model_dir() -> Path:
+    """The Llama-3-8B config folder shared by this process's schedulers."""
+    return default_model_dir()
+
+
+def engine_config(**overrides: Any) -> EngineConfig:
+    """A small replica config for tests: 8192-token steps, 16-token blocks, 4096 KV blocks."""
+    kw: dict[str, Any] = {"num_gpu_blocks": 4096, "max_model_len": 32768 + 1024}
+    kw.update(overrides)
+    return EngineConfig(**kw)
+
+
+def scheduler(config: EngineConfig, scheduler_cls: type | None = None, **kwargs: Any) -> Any:
+    """A vLLM scheduler (or `scheduler_cls`) for `config`, on the shared model folder."""
+    return build_scheduler(config, model_dir(), scheduler_cls, **kwargs)
+
+
+def add(sched: Any, request_id: str, prompt_tokens: int, max_output_tokens: int,
+        priority: int = INTERACTIVE_PRIORITY, arrival_s: float = 0.0) -> None:
+    """Queue one request in a vLLM scheduler."""
+    sched.add_request(make_vllm_request(request_id, prompt_tokens, max_output_tokens,
+                                        arrival_s, priority))
+
+
+def step(sched: Any) -> dict[str, int]:
+    """One vLLM step (schedule, then the model's answer); the tokens scheduled per request."""
+    out = sched.schedule()
+    sched.update_from_output(out, model_runner_output(sched, out))
+    return dict(out.num_scheduled_tokens)
+
+
+def first_token_step(sched: Any, request_id: str, max_steps: int = 500) -> int:
+    """Steps until `request_id` has emitted its first token (its prefill completed)."""
+    for k in range(1, max_steps + 1):
+        step(sched)
+        req = sched.requests.get(request_id)
+        if req is None or req.num_output_tokens > 0:
+            return k
+    raise AssertionError(f"{request_id} had no first token within {max_steps} steps")
+
+
+# -- the same stream through two engines -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """A request joining the engine before step `step`."""
+
+    step: int
+    request_id: str
+    klass: str
+    prompt_tokens: int
+    max_output_tokens: int
+    priority: int
+
+
+@dataclass
+class Trace:
+    """What an engine decided: tokens per request per step, preemptions, finish order."""
+
+    steps: list[dict[str, int]] = field(default_factory=list)
+    preempted: list[tuple[int, str]] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)
+    sim_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """How far two traces agree (1.0 is identical)."""
+
+    steps: tuple[int, int]
+    step_match_frac: float
+    token_agreement: float
+    first_divergence: int | None
+    same_completion_order: bool
+    completion_pair_agreement: float
+    preemptions: tuple[int, int]
+    same_victims: bool
+
+
+def mixed_stream(seed: int, n_interactive: int, n_batch: int, span_steps: int,
+                 batch_prompt_max: int = 32768) -> list[Arrival]:
+    """A seeded stream of chat-sized interactive and long-prompt batch requests."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n_interactive):
+        out.append(Arrival(rng.randrange(span_steps), f"i{i:03d}", INTERACTIVE,
+                           rng.randint(20, 3000), rng.randint(5, 200), INTERACTIVE_PRIORITY))
+    for i in range(n_batch):
+        out.append(Arrival(rng.randrange(span_steps), f"b{i:03d}", BATCH,
+                           rng.randint(1000, batch_prompt_max), rng.randint(10, 300),
+                           BATCH_PRIORITY))
+    return sorted(out, key=lambda a: (a.step, a.request_id))
+
+
+def run_lockstep(make_engine: Callable[[], Any], stream: Sequence[Arrival],
+                 max_steps: int = 20000) -> Trace:
+    """Feed `stream` to a fresh engine step by step and record every decision."""
+    engine = make_engine()
+    trace = Trace()
+    pending = list(stream)
+    t_s = 0.0
+    k = 0
+    while k < max_steps and (pending or engine.has_work()):
+        while pending and pending[0].step <= k:
+            a = pending.pop(0)
+            engine.add_request(Request(a.request_id, a.klass, a.prompt_tokens,
+                                       a.max_output_tokens, arrival_s=float(a.step),
+                                       priority=a.priority))
+        out = engine.schedule()
+        trace.steps.append(dict(out.num_scheduled_tokens))
+        trace.preempted.extend((k, rid) for rid in sorted(out.preempted_req_ids))
+        res = engine.update_from_output(out, t_s)
+        trace.finished.extend(sorted(r.request_id for r in res.finished))
+        t_s = res.end_s
+        k += 1
+    trace.sim_s = t_s
+    return trace
+
+
+def native_engine(
+    config: EngineConfig, profile: StepProfile = H100_LLAMA3_8B
+) -> Callable[[], Engine]:
+    """Factory of the native engine for `run_lockstep`."""
+    return lambda: Engine(config, profile)
+
+
+def vllm_engine(
+    config: EngineConfig, profile: StepProfile = H100_LLAMA3_8B
+) -> Callable[[], VllmEngine]:
+    """Factory of the vLLM-backed engine for `run_lockstep`."""
+    return lambda: VllmEngine(config, profile, model_dir=model_dir())
+
+
+def compare_traces(a: Trace, b: Trace) -> Agreement:
+    """Agreement of two traces of the same stream (see `Agreement`)."""
+    n = max(len(a.steps), len(b.steps))
+    match = 0
+    diff_tokens = 0
+    all_tokens = 0
+    first: int | None = None
+    for k in range(n):
+        sa = a.steps[k] if k < len(a.steps) else {}
+        sb = b.steps[k] if k < len(b.steps) else {}
+        if sa == sb:
+            match += 1
+        elif first is None:
+            first = k
+        for rid in sa.keys() | sb.keys():
+            x, y = sa.get(rid, 0), sb.get(rid, 0)
+            diff_tokens += abs(x - y)
+            all_tokens += x + y
+    pos_b = {rid: i for i, rid in enumerate(b.finished)}
+    common = [rid for rid in a.finished if rid in pos_b]
+    pairs = agree = 0
+    for i, r1 in enumerate(common):
+        for r2 in common[i + 1:]:
+            pairs += 1
+            agree += pos_b[r1] < pos_b[r2]
+    return Agreement(
+        steps=(len(a.steps), len(b.steps)),
+        step_match_frac=match / n if n else 1.0,
+        token_agreement=1.0 - diff_tokens / all_tokens if all_tokens else 1.0,
+        first_divergence=first,
+        same_completion_order=a.finished == b.finished,
+        completion_pair_agreement=agree / pairs if pairs else 1.0,
+        preemptions=(len(a.preempted), len(b.preempted)),
+        same_victims=a.preempted == b.preempted,
+    )

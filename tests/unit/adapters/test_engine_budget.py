@@ -1,0 +1,96 @@
+"""The engine plugin's arithmetic: per-step batch allowance, sequence cap, step timing, config."""
+
+from __future__ import annotations
+
+import pytest
+
+from adapters.engine_budget import (
+    MAX_STEP_S,
+    PluginConfig,
+    StaticBudgetSource,
+    StepTimer,
+    batch_seq_cap,
+    batch_tokens_per_step,
+)
+from models.budget import Budget, Mode, closed_budget
+from models.errors import ConfigError
+
+
+def _budget(tokens_per_s: float, seqs: int = 4, mode: Mode = Mode.OPEN) -> Budget:
+    return Budget(pool="p", mode=mode, reason="test", batch_tokens_per_s=tokens_per_s,
+                  batch_burst_tokens=0, max_batch_seqs=seqs, max_batch_kv_tokens=10**6,
+                  max_batch_output_tokens=1024)
+
+
+@pytest.mark.parametrize(("budget", "step_s", "expected"), [
+    (None, 0.05, 0),
+    (closed_budget("p", Mode.CLOSED, "slo"), 0.05, 0),
+    (_budget(20000.0, mode=Mode.STOPPED), 0.05, 0),
+    (_budget(0.0), 0.05, 0),
+    (_budget(20000.0, seqs=0), 0.05, 0),
+    (_budget(20000.0), 0.05, 1000),
+    (_budget(20000.0, mode=Mode.RAMP), 0.1, 2000),
+    (_budget(10.0), 0.05, 16),
+], ids=["no-record", "closed", "stopped", "zero-rate", "zero-seqs", "open", "ramp", "floor"])
+def test_batch_tokens_per_step(budget: Budget | None, step_s: float, expected: int) -> None:
+    """Rate times step time, floored while open, zero without a record admitting batch."""
+    assert batch_tokens_per_step(budget, step_s, floor_tokens=16) == expected
+
+
+@pytest.mark.parametrize(("budget", "expected"), [
+    (None, 0), (closed_budget("p", Mode.FAILSAFE, "stale"), 0), (_budget(100.0, seqs=3), 3),
+], ids=["no-record", "failsafe", "open"])
+def test_batch_seq_cap(budget: Budget | None, expected: int) -> None:
+    """The running batch sequence cap is the record's, or zero when batch is not admitted."""
+    assert batch_seq_cap(budget) == expected
+
+
+def test_step_timer_averages_matched_steps_and_clips_stalls() -> None:
+    """Steps are matched first in, first out; a stall counts as MAX_STEP_S at most."""
+    timer = StepTimer(initial_s=0.05)
+    for _ in range(50):
+        timer.started(0.0)
+        timer.finished(0.02)
+    assert timer.recent_s == pytest.approx(0.02, rel=1e-3)
+    timer.started(0.0)
+    timer.finished(3600.0)
+    assert timer.recent_s <= 0.02 + 0.2 * MAX_STEP_S
+
+
+def test_step_timer_ignores_output_without_schedule() -> None:
+    """An output with no matching scheduled step leaves the recent step time alone."""
+    timer = StepTimer(initial_s=0.05)
+    timer.finished(10.0)
+    assert timer.recent_s == 0.05
+
+
+def test_static_source_returns_what_was_set() -> None:
+    """The static source (simulator, tests) hands back its budget whatever the time."""
+    source = StaticBudgetSource()
+    assert source.current(0.0) is None
+    source.budget = _budget(5.0)
+    assert source.current(1e9) == _budget(5.0)
+
+
+def test_plugin_config_from_env() -> None:
+    """Every setting is read from its environment variable."""
+    cfg = PluginConfig.from_env({
+        "BORROWD_POOL": "chat", "BORROWD_REDIS_URL": "redis://r:1/2",
+        "BORROWD_BATCH_PRIORITY": "5", "BORROWD_BUDGET_POLL_S": "0.5",
+        "BORROWD_MIN_BATCH_TOKENS_PER_STEP": "32",
+    })
+    assert cfg == PluginConfig(pool="chat", redis_url="redis://r:1/2", batch_priority=5,
+                               poll_s=0.5, min_batch_tokens_per_step=32)
+
+
+@pytest.mark.parametrize(("env", "message"), [
+    ({}, "BORROWD_POOL"),
+    ({"BORROWD_POOL": "p", "BORROWD_BATCH_PRIORITY": "low"}, "BORROWD_BATCH_PRIORITY"),
+    ({"BORROWD_POOL": "p", "BORROWD_BUDGET_POLL_S": "0"}, "BORROWD_BUDGET_POLL_S"),
+    ({"BORROWD_POOL": "p", "BORROWD_MIN_BATCH_TOKENS_PER_STEP": "0"},
+     "BORROWD_MIN_BATCH_TOKENS_PER_STEP"),
+], ids=["no-pool", "bad-priority", "zero-poll", "zero-floor"])
+def test_plugin_config_rejects_bad_env(env: dict[str, str], message: str) -> None:
+    """A missing pool or a malformed value stops start-up naming the variable."""
+    with pytest.raises(ConfigError, match=message):
+        PluginConfig.from_env(env)
