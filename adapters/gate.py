@@ -11,6 +11,7 @@ reach this module: they are always admitted by the caller without a Redis call.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -238,6 +239,27 @@ class AsyncGate(_GateBase):
         args = self._admit_args(request_id, prompt_tokens, max_output_tokens, now_s)
         reply = await self._admit(keys=self._admit_keys, args=args)
         return _admission(reply, self.batch_priority)
+
+    async def admit_many(self, requests: Sequence[tuple[str, int, int]],
+                         now_s: float | None = None) -> list[Admission]:
+        """Admit several requests in one round trip (a pipeline of independent atomic
+        scripts, in order); `requests` holds (request_id, prompt_tokens, max_output_tokens)."""
+        async with self.client.pipeline(transaction=False) as pipe:
+            for request_id, prompt_tokens, max_output_tokens in requests:
+                args = self._admit_args(request_id, prompt_tokens, max_output_tokens, now_s)
+                await self._admit(keys=self._admit_keys, args=args, client=pipe)
+            replies = await pipe.execute()
+        return [_admission(reply, self.batch_priority) for reply in replies]
+
+    async def release_many(self, releases: Sequence[tuple[str, int | None]],
+                           now_s: float | None = None) -> list[int]:
+        """`release` for several (request_id, output_tokens) in one round trip."""
+        async with self.client.pipeline(transaction=False) as pipe:
+            for request_id, output_tokens in releases:
+                args = self._release_args(request_id, output_tokens, now_s)
+                await self._release(keys=self._release_keys, args=args, client=pipe)
+            replies = await pipe.execute()
+        return [int(refunded) if int(released) else -1 for released, refunded in replies]
 
     async def release(self, request_id: str, output_tokens: int | None,
                       now_s: float | None = None) -> int:

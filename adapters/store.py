@@ -327,7 +327,7 @@ class LeaderElection:
         self.epoch = None
 
 
-def _supersedes(candidate: Budget, current: Budget | None, now_s: float) -> bool:
+def supersedes(candidate: Budget, current: Budget | None, now_s: float) -> bool:
     """True when `candidate` should replace `current`: it is newer by (epoch, seq), or the
     current one has lapsed (a restarted Redis starts its seq counter again)."""
     return (
@@ -353,7 +353,7 @@ class _WatchedRecord:
             log.warning("budget_push_unusable", pool=self.pool, reason="malformed", detail=str(exc))
             return
         with self._lock:
-            if budget.pool == self.pool and _supersedes(budget, self._budget, now_s):
+            if budget.pool == self.pool and supersedes(budget, self._budget, now_s):
                 self._budget = budget
                 self.last_status = ReadStatus.OK
 
@@ -363,7 +363,7 @@ class _WatchedRecord:
             if read.budget is None:
                 # The store is authoritative: no usable record there means none here.
                 self._budget = None
-            elif _supersedes(read.budget, self._budget, now_s):
+            elif supersedes(read.budget, self._budget, now_s):
                 self._budget = read.budget
 
     def current(self, now_s: float) -> Budget | None:

@@ -53,18 +53,16 @@ local cost = prompt + out
 if cost > burst or cost > max_kv then return deny('too_large', retry_ms) end
 
 if redis.call('ZCARD', k_leases) >= max_seqs then return deny('seq_cap', retry_ms) end
-local kv = tonumber(redis.call('HGET', k_state, 'kv_tokens') or '0')
+-- One read and one write of the gate state keep the script short.
+local st = redis.call('HMGET', k_state, 'kv_tokens', 'tokens', 'ts_ms', 'counter')
+local kv = tonumber(st[1]) or 0
 if kv + cost > max_kv then return deny('kv_cap', retry_ms) end
 
-local tokens, ts = refill(k_state, now_ms, rate, burst)
-if tokens < cost then
-  redis.call('HSET', k_state, 'tokens', tostring(tokens), 'ts_ms', ts)
-  return deny('rate', (cost - tokens) * 1000.0 / rate)
-end
-tokens = tokens - cost
-local counter = redis.call('HINCRBY', k_state, 'counter', 1)
-redis.call('HSET', k_state, 'tokens', tostring(tokens), 'ts_ms', ts)
-redis.call('HINCRBY', k_state, 'kv_tokens', cost)
+local tokens, ts = refill_from(st[2], st[3], now_ms, rate, burst)
+if tokens < cost then return deny('rate', (cost - tokens) * 1000.0 / rate) end
+local counter = (tonumber(st[4]) or 0) + 1
+redis.call('HSET', k_state, 'tokens', tostring(tokens - cost), 'ts_ms', ts,
+  'kv_tokens', kv + cost, 'counter', counter)
 redis.call('ZADD', k_leases, now_ms + lease_ms, id)
 redis.call('ZADD', k_order, counter, id)
 redis.call('HSET', k_reqs, id, cost .. ':' .. out)

@@ -36,11 +36,11 @@ local function reap(k_leases, k_order, k_reqs, k_state, now_ms, limit)
   return #dead
 end
 
--- Token bucket level at now_ms (refilled at rate tokens/s, capped at burst), and its time.
-local function refill(k_state, now_ms, rate, burst)
-  local st = redis.call('HMGET', k_state, 'tokens', 'ts_ms')
-  local tokens = tonumber(st[1])
-  local ts = tonumber(st[2])
+-- Token bucket level at now_ms from its stored level and time (refilled at rate tokens/s,
+-- capped at burst; a bucket never written starts full), and its new time.
+local function refill_from(tokens, ts, now_ms, rate, burst)
+  tokens = tonumber(tokens)
+  ts = tonumber(ts)
   if tokens == nil or ts == nil then
     tokens = burst
     ts = now_ms
@@ -51,4 +51,9 @@ local function refill(k_state, now_ms, rate, burst)
   end
   if tokens > burst then tokens = burst end
   return tokens, ts
+end
+
+local function refill(k_state, now_ms, rate, burst)
+  local st = redis.call('HMGET', k_state, 'tokens', 'ts_ms')
+  return refill_from(st[1], st[2], now_ms, rate, burst)
 end

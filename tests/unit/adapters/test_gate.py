@@ -237,3 +237,19 @@ async def test_async_gate_matches_sync(redis_url) -> None:
     finally:
         await aclient.aclose()
         sync_client.close()
+
+
+async def test_async_pipelined_decisions_match_one_by_one(redis_url) -> None:
+    """admit_many/release_many decide in order, exactly as the same calls one by one."""
+    sync_client = connect(redis_url)
+    aclient = connect_async(redis_url)
+    try:
+        _open(sync_client, max_batch_seqs=2)
+        gate = AsyncGate(aclient, POOL)
+        admissions = await gate.admit_many([("a", 10, 10), ("b", 10, 10), ("c", 10, 10)],
+                                           now_s=T0)
+        assert [a.reason for a in admissions] == ["admitted", "admitted", "seq_cap"]
+        assert await gate.release_many([("a", 4), ("zz", 1)], now_s=T0) == [6, -1]
+    finally:
+        await aclient.aclose()
+        sync_client.close()

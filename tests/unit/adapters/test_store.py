@@ -18,6 +18,7 @@ from adapters.store import (
     LeaderElection,
     PoolKeys,
     ReadStatus,
+    supersedes,
 )
 from models.budget import Budget, Mode
 from models.errors import InputError
@@ -224,3 +225,24 @@ async def test_async_watcher_gets_push(redis_url) -> None:
     finally:
         await aclient.aclose()
         sync_client.close()
+
+
+@pytest.mark.parametrize(
+    ("candidate", "current", "now_s", "expected"),
+    [
+        ((1, 5), None, 100.0, True),
+        ((1, 6), (1, 5), 100.0, True),
+        ((2, 1), (1, 9), 100.0, True),
+        ((1, 4), (1, 5), 100.0, False),
+        ((1, 1), (1, 5), 104.0, True),
+    ],
+    ids=["first", "next-seq", "new-epoch", "older-while-fresh", "older-after-lapse"],
+)
+def test_watcher_supersede_rule(candidate, current, now_s, expected) -> None:
+    """A watcher takes a record newer by (epoch, seq), or any record once its copy lapsed."""
+
+    def record(epoch_seq):
+        epoch, seq = epoch_seq
+        return _budget().with_envelope(epoch=epoch, seq=seq, issued_at_s=100.0, ttl_ms=3000)
+
+    assert supersedes(record(candidate), current and record(current), now_s) is expected
