@@ -114,9 +114,16 @@ def _check_request(request_id: str, prompt_tokens: int, max_output_tokens: int) 
         raise InputError(f"max_output_tokens must be >= 1, got {max_output_tokens}")
 
 
-def _check_block(block_ms: int | None) -> None:
-    if block_ms is not None and block_ms <= 0:
+def _check_block(client: redis.Redis | redis.asyncio.Redis, block_ms: int | None) -> None:
+    if block_ms is None:
+        return
+    if block_ms <= 0:
         raise InputError(f"block_ms must be > 0 or None (no wait), got {block_ms}")
+    timeout_s = client.connection_pool.connection_kwargs.get("socket_timeout")
+    if timeout_s is not None and block_ms / 1000 >= timeout_s:
+        raise InputError(
+            f"block_ms {block_ms} must be below the client's socket timeout of {timeout_s} s"
+        )
 
 
 def _admission(reply: list, priority: int) -> Admission:
@@ -216,7 +223,7 @@ class Gate(_GateBase):
         """Revocations after `last_id` ("0" = all kept, "$" = only ones added from now on),
         waiting up to `block_ms` > 0 (None = do not wait). Returns the id to pass next time
         and the entries, oldest first."""
-        _check_block(block_ms)
+        _check_block(self.client, block_ms)
         if last_id == "$":
             newest = self.client.xrevrange(self.keys.revoke, count=1)
             last_id = newest[0][0] if newest else "0-0"
@@ -281,7 +288,7 @@ class AsyncGate(_GateBase):
     async def revocations(self, last_id: str = "$", block_ms: int | None = None
                           ) -> tuple[str, list[Revocation]]:
         """See `Gate.revocations`."""
-        _check_block(block_ms)
+        _check_block(self.client, block_ms)
         if last_id == "$":
             newest = await self.client.xrevrange(self.keys.revoke, count=1)
             last_id = newest[0][0] if newest else "0-0"

@@ -37,7 +37,7 @@ import redis.asyncio
 import structlog
 from aiohttp import web
 
-from adapters.gate import DEFAULT_LEASE_MS, Admission, AsyncGate
+from adapters.gate import BATCH_PRIORITY, DEFAULT_LEASE_MS, Admission, AsyncGate
 from adapters.redis_conn import connect_async, redact_url
 from models.errors import InputError
 
@@ -68,7 +68,7 @@ class GateServiceConfig:
     redis_url: str
     default_pool: str | None
     lease_ms: int = DEFAULT_LEASE_MS
-    batch_priority: int = 1
+    batch_priority: int = BATCH_PRIORITY
     decision_timeout_s: float = DEFAULT_DECISION_TIMEOUT_S
 
 

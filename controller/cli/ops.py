@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import redis
 
 from adapters import gate_http
-from adapters.gate import DEFAULT_LEASE_MS, Gate
+from adapters.gate import BATCH_PRIORITY, DEFAULT_LEASE_MS, Gate
 from adapters.redis_conn import connect, redact_url, resolve_redis_url
 from adapters.store import BudgetStore, PoolKeys
 from models.errors import BorrowdError, InputError
@@ -46,8 +46,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                       help="address to serve on (default 127.0.0.1:8089)")
     gate.add_argument("--lease-ms", type=int, default=DEFAULT_LEASE_MS,
                       help=f"admission lease in ms unless renewed (default {DEFAULT_LEASE_MS})")
-    gate.add_argument("--batch-priority", type=int, default=1,
-                      help="vLLM priority injected for batch (lower is served first; default 1)")
+    gate.add_argument("--batch-priority", type=int, default=BATCH_PRIORITY,
+                      help="vLLM priority injected for batch (lower is served first; "
+                           f"default {BATCH_PRIORITY})")
     gate.add_argument("--decision-timeout-s", type=float,
                       default=gate_http.DEFAULT_DECISION_TIMEOUT_S,
                       help="longest wait on Redis before batch is denied, in seconds")
@@ -174,7 +175,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
         raise InputError(f"--lease-ms must be > 0, got {args.lease_ms}")
     if args.decision_timeout_s <= 0:
         raise InputError(f"--decision-timeout-s must be > 0, got {args.decision_timeout_s}")
-    PoolKeys(args.pool)
+    PoolKeys(args.pool)  # raises InputError naming a bad pool name before serving
     config = gate_http.GateServiceConfig(
         redis_url=resolve_redis_url(args.redis), default_pool=args.pool,
         lease_ms=args.lease_ms, batch_priority=args.batch_priority,

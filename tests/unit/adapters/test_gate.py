@@ -253,3 +253,14 @@ async def test_async_pipelined_decisions_match_one_by_one(redis_url) -> None:
     finally:
         await aclient.aclose()
         sync_client.close()
+
+
+@pytest.mark.parametrize(
+    ("block_ms", "message"),
+    [(0, "block_ms must be > 0"), (5000, "socket timeout")],
+    ids=["zero-blocks-forever", "longer-than-socket-timeout"],
+)
+def test_revocations_refuse_unsafe_block(client, block_ms, message) -> None:
+    """A block of 0 (forever) or past the socket timeout is refused up front."""
+    with pytest.raises(InputError, match=message):
+        Gate(client, POOL).revocations("0", block_ms=block_ms)

@@ -1,0 +1,87 @@
+"""`borrowd stop/resume/status/gate`: what they change in Redis and what they print."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import pytest
+
+from adapters.gate import Gate
+from adapters.redis_conn import connect
+from adapters.store import BudgetStore
+from controller.cli import ops
+from models.budget import Budget, Mode
+from models.errors import BorrowdError, InputError
+from tests.support.servers import free_port
+
+POOL = "p1"
+
+
+def _run(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="borrowd")
+    ops.register(parser.add_subparsers())
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def _publish(url: str) -> None:
+    client = connect(url)
+    BudgetStore(client, POOL).publish(
+        Budget(pool=POOL, mode=Mode.OPEN, reason="law", batch_tokens_per_s=100.0,
+               batch_burst_tokens=1000, max_batch_seqs=4, max_batch_kv_tokens=1000,
+               max_batch_output_tokens=100),
+        epoch=3, ttl_ms=60_000, now_s=time.time())
+    Gate(client, POOL).admit("r1", 10, 20)
+    client.close()
+
+
+def test_stop_status_resume(redis_url, capsys) -> None:
+    """stop revokes and switches to stopped; status shows it; resume clears the switch."""
+    _publish(redis_url)
+    assert _run(["stop", "--pool", POOL, "--reason", "incident 7", "--redis", redis_url]) == 0
+    assert "stopped (epoch 3, seq 2): incident 7" in capsys.readouterr().out
+    assert _run(["status", "--pool", POOL, "--redis", redis_url, "--json"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert status["record"]["mode"] == "stopped"
+    assert status["stop_switch"] == "incident 7"
+    assert status["usable"] is False
+    assert status["inflight"]["batch_seqs"] == 0
+    assert status["revocations_kept"] == 1
+    assert _run(["resume", "--pool", POOL, "--redis", redis_url]) == 0
+    assert "resumed" in capsys.readouterr().out
+    assert BudgetStore(connect(redis_url), POOL).stop_reason() is None
+
+
+def test_status_text_shows_record_and_inflight(redis_url, capsys) -> None:
+    """The text status names mode, epoch, seq, age, stop switch and batch work in flight."""
+    _publish(redis_url)
+    assert _run(["status", "--pool", POOL, "--redis", redis_url]) == 0
+    out = capsys.readouterr().out
+    assert "mode=open epoch=3 seq=1" in out
+    assert "age=" in out
+    assert "stop switch   off" in out
+    assert "1 batch seqs, 30 KV tokens reserved" in out
+
+
+def test_unreachable_redis_is_one_line_error() -> None:
+    """A dead Redis becomes a BorrowdError naming the URL (the CLI prints one line, exit 2)."""
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    with pytest.raises(BorrowdError, match=f"Redis at {url}"):
+        _run(["status", "--pool", POOL, "--redis", url])
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--listen", "nowhere"], "--listen"),
+        (["--listen", "127.0.0.1:8089", "--lease-ms", "0"], "--lease-ms"),
+        (["--listen", "127.0.0.1:8089", "--pool", "a{b}"], "pool name"),
+    ],
+    ids=["bad-listen", "zero-lease", "bad-pool"],
+)
+def test_gate_refuses_bad_arguments(extra, message) -> None:
+    """`gate` names a bad --listen, --lease-ms or pool before it starts serving."""
+    with pytest.raises(InputError, match=message):
+        _run(["gate", "--pool", POOL, *extra])
