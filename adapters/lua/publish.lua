@@ -10,7 +10,9 @@ local k_budget, k_epoch, k_stop, k_seq = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local k_leases, k_order, k_reqs, k_state, k_revoke = KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9]
 local action, channel, schema = ARGV[1], ARGV[2], ARGV[3]
 local ttl_ms = tonumber(ARGV[5])
-local now_ms = tonumber(ARGV[7])
+-- Reap with the earlier of the writer's clock and Redis's: a writer whose clock runs ahead
+-- must never expire a lease that the gates (on Redis's clock) still count as live.
+local now_ms = math.min(tonumber(ARGV[7]), now_ms_from(''))
 
 local counter = tonumber(redis.call('GET', k_epoch) or '0') or 0
 local stored = tonumber(redis.call('HGET', k_budget, 'epoch') or '0') or 0
@@ -48,6 +50,7 @@ for k, v in pairs(rec) do
   flat[#flat + 1] = k
   flat[#flat + 1] = v
 end
+local old = redis.call('HMGET', k_budget, 'batch_tokens_per_s', 'batch_burst_tokens')
 redis.call('DEL', k_budget)
 redis.call('HSET', k_budget, unpack(flat))
 redis.call('PEXPIRE', k_budget, ttl_ms)
@@ -83,8 +86,15 @@ while seqs > max_seqs or kv > max_kv do
 end
 if revoked > 0 then redis.call('HSET', k_state, 'kv_tokens', kv) end
 
--- A cut burst takes effect at once: the bucket never holds more than the new burst.
-local tokens = tonumber(redis.call('HGET', k_state, 'tokens') or '')
-local burst = tonumber(rec.batch_burst_tokens) or 0
-if tokens and tokens > burst then redis.call('HSET', k_state, 'tokens', tostring(burst)) end
+-- A cut burst takes effect at once: bring the bucket to now under the old record's rate,
+-- then hold it to the new burst (without an old record it only shrinks to the new burst).
+local st = redis.call('HMGET', k_state, 'tokens', 'ts_ms')
+if st[1] then
+  local old_rate = tonumber(old[1]) or 0
+  local old_burst = tonumber(old[2]) or tonumber(st[1])
+  local tokens, ts = refill_from(st[1], st[2], now_ms, old_rate, old_burst)
+  local burst = tonumber(rec.batch_burst_tokens) or 0
+  if tokens > burst then tokens = burst end
+  redis.call('HSET', k_state, 'tokens', tostring(tokens), 'ts_ms', ts)
+end
 return {1, payload, revoked}

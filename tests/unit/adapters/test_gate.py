@@ -264,3 +264,25 @@ def test_revocations_refuse_unsafe_block(client, block_ms, message) -> None:
     """A block of 0 (forever) or past the socket timeout is refused up front."""
     with pytest.raises(InputError, match=message):
         Gate(client, POOL).revocations("0", block_ms=block_ms)
+
+
+def test_stop_empties_bucket_from_the_stop_on(client) -> None:
+    """After a stop the bucket restarts empty at the stop time, not full from long before."""
+    store = _open(client)
+    gate = Gate(client, POOL)
+    assert gate.admit("a", 10, 10, now_s=T0).admitted
+    store.stop("ops", now_s=T0 + 10)
+    store.resume()
+    store.publish(_budget(), epoch=1, ttl_ms=60_000, now_s=T0 + 10)
+    assert gate.admit("b", 500, 500, now_s=T0 + 10.5).reason == "rate"
+    assert gate.admit("b", 500, 500, now_s=T0 + 11).admitted
+
+
+def test_writer_clock_ahead_does_not_reap_live_leases(client) -> None:
+    """A publisher whose clock runs an hour ahead never expires leases live on Redis's clock."""
+    store = BudgetStore(client, POOL)
+    store.publish(_budget(), epoch=1, ttl_ms=60_000, now_s=time.time())
+    gate = Gate(client, POOL, lease_ms=30_000)
+    assert gate.admit("live", 10, 10).admitted
+    store.publish(_budget(), epoch=1, ttl_ms=60_000, now_s=time.time() + 3600)
+    assert gate.inflight().seqs == 1
