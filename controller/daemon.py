@@ -45,6 +45,7 @@ from models.signals import Observation
 
 LEADER = "leader"
 FOLLOWER = "follower"
+QUERY_ERROR_LOG_PERIOD_S = 60.0
 
 # Observation fields exported as `borrowd_observed{signal=...}`.
 OBSERVED_SIGNALS = tuple(
@@ -542,9 +543,16 @@ def build_daemon(
     )
     prom = connect_prometheus(config.prometheus.url, config.prometheus.timeout_s)
 
+    last_logged: dict[tuple[str, str, str], float] = {}
+
     def on_query_error(pool: str, field: str, kind: str, detail: str) -> None:
         metrics.errors.labels(pool, "prometheus", kind).inc()
-        log.warning("prometheus_query_failed", pool=pool, field=field, kind=kind, detail=detail)
+        # Every failure is counted; a failure that repeats each tick is logged once a minute.
+        key, now = (pool, field, kind), time.monotonic()
+        if now - last_logged.get(key, -math.inf) >= QUERY_ERROR_LOG_PERIOD_S:
+            last_logged[key] = now
+            log.warning("prometheus_query_failed", pool=pool, field=field, kind=kind,
+                        detail=detail)
 
     source = PrometheusSource(
         prom, window=config.prometheus.window, timeout_s=config.prometheus.timeout_s,

@@ -89,11 +89,15 @@ def pool_queries(pool: str, window: str) -> tuple[PromQuery, ...]:
 
 
 def data_age_query(pool: str) -> str:
-    """Seconds since the stalest of `pool`'s recorded series was last evaluated."""
+    """Seconds since the stalest of `pool`'s proxy and engine recorded series was evaluated.
+
+    `timestamp()` reads sample times only when applied to a plain selector, hence one
+    selector per source (proxy in-flight, engine KV usage), joined by `or`.
+    """
     check_pool_name(pool)
     return (
-        f'time() - min(timestamp({{__name__=~"pool(_class)?:(borrowd_proxy|vllm)_.+",'
-        f'pool="{pool}"}}))'
+        f'time() - min(timestamp(pool_class:borrowd_proxy_inflight:sum{{pool="{pool}"}}) '
+        f'or timestamp(pool:vllm_kv_cache_usage_perc:max{{pool="{pool}"}}))'
     )
 
 
@@ -136,9 +140,10 @@ def parse_instant(result: Sequence[Mapping]) -> float:
 class PrometheusSource:
     """`MetricsSource` reading a pool's signals from Prometheus recording rules.
 
-    `age_s` of an observation is the age of the stalest recorded series behind it when every
-    query answered, and the time since the last fully answered observation otherwise (infinite
-    before the first), so a supervisor that bounds staleness goes failsafe either way.
+    `age_s` of an observation is the age of the stalest of the pool's recorded series as
+    Prometheus reports it; when Prometheus cannot say (unreachable, or no series at all) it is
+    the time since the freshest data it last reported (infinite before the first), so a
+    supervisor that bounds staleness goes failsafe. A field whose own query fails is NaN.
     """
 
     def __init__(
@@ -156,33 +161,30 @@ class PrometheusSource:
         self._last_success_s: dict[str, float] = {}
 
     def last_success_age_s(self, pool: str, now_s: float) -> float:
-        """Seconds since every query of `pool` last answered (inf before the first time)."""
+        """Age at `now_s` of the freshest data Prometheus last reported for `pool` (inf: never)."""
         last = self._last_success_s.get(pool)
         return math.inf if last is None else max(0.0, now_s - last)
 
     def observe(self, pool: str, now_s: float) -> Observation:
         """Signals of `pool` evaluated at `now_s`; NaN (and a counted error) per failed query."""
         values: dict[str, float] = {}
-        failed = False
+        reachable = True
         for query in pool_queries(pool, self._window):
             try:
                 values[query.field] = parse_instant(self._query(query.expr, now_s))
             except _QueryFailed as exc:
-                failed = True
                 self._report(pool, query.field, exc)
                 if exc.kind == TRANSPORT:
+                    reachable = False
                     break  # Prometheus is unreachable: do not wait out every other timeout
-        if not failed:
+        age_s = self.last_success_age_s(pool, now_s)
+        if reachable:
             try:
-                data_age_s = max(0.0, parse_instant(self._query(data_age_query(pool), now_s)))
+                age_s = max(0.0, parse_instant(self._query(data_age_query(pool), now_s)))
+                self._last_success_s[pool] = now_s - age_s
             except _QueryFailed as exc:
-                failed = True
                 self._report(pool, "age_s", exc)
-        if failed:
-            age_s = self.last_success_age_s(pool, now_s)
-        else:
-            self._last_success_s[pool] = now_s
-            age_s = data_age_s
+                age_s = self.last_success_age_s(pool, now_s)
         return Observation(now_s=now_s, age_s=age_s, **values)
 
     def _query(self, expr: str, now_s: float) -> list[dict]:

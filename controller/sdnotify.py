@@ -34,6 +34,9 @@ class Notifier:
             address = "\0" + address[1:]
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+                # Never block the caller (the daemon's main loop) on a listener that stopped
+                # reading: a full queue drops the message instead.
+                sock.setblocking(False)
                 sock.connect(address)
                 sock.sendall("\n".join(lines).encode())
         except OSError:

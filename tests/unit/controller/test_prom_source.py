@@ -125,6 +125,16 @@ def test_a_failed_query_leaves_only_its_field_nan(answer: object, kind: str) -> 
     assert obs.ttft_p95_s == pytest.approx(FIELD_VALUES["ttft_p95_s"])
 
 
+def test_a_missing_optional_series_does_not_make_the_data_stale() -> None:
+    """No batch series yet: that field is NaN, the age still comes from Prometheus."""
+    answers = healthy_answers()
+    batch = next(q for q in pool_queries("chat", "15s") if q.field == "batch_tokens_per_s")
+    answers[batch.expr] = []
+    obs = make_source(FakeClient(answers, default=age_default()), []).observe("chat", 10.0)
+    assert obs.missing() == ["batch_tokens_per_s"]
+    assert obs.age_s == pytest.approx(0.5)
+
+
 def test_unreachable_prometheus_stops_after_the_first_timeout() -> None:
     """A transport failure ends the tick's queries: one error, every field NaN, age grows."""
     client = FakeClient({}, default=requests.ConnectionError("refused"))
@@ -137,8 +147,8 @@ def test_unreachable_prometheus_stops_after_the_first_timeout() -> None:
     assert math.isinf(obs.age_s)
 
 
-def test_age_is_time_since_last_complete_observation_after_a_failure() -> None:
-    """After a good tick at t=100, a failing tick at t=107 reports age 7 s."""
+def test_age_is_time_since_the_freshest_data_after_a_failure() -> None:
+    """Data 0.5 s old at t=100, Prometheus gone at t=107: the observation is 7.5 s old."""
     answers = healthy_answers()
     client = FakeClient(answers, default=age_default())
     source = make_source(client, [])
@@ -146,8 +156,8 @@ def test_age_is_time_since_last_complete_observation_after_a_failure() -> None:
     client.answers = {}
     client.default = requests.Timeout("slow")
     obs = source.observe("chat", 107.0)
-    assert obs.age_s == pytest.approx(7.0)
-    assert source.last_success_age_s("chat", 107.0) == pytest.approx(7.0)
+    assert obs.age_s == pytest.approx(7.5)
+    assert source.last_success_age_s("chat", 107.0) == pytest.approx(7.5)
     assert math.isinf(source.last_success_age_s("other", 107.0))
 
 

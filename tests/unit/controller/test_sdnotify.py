@@ -30,6 +30,17 @@ def test_abstract_socket_name_is_supported() -> None:
         assert listener.recv(4096) == b"WATCHDOG=1"
 
 
+def test_notify_never_blocks_on_a_listener_that_stopped_reading(tmp_path: Path) -> None:
+    """With the listener's queue full, notify returns False at once instead of blocking."""
+    path = tmp_path / "notify.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as listener:
+        listener.bind(str(path))
+        notifier = Notifier({"NOTIFY_SOCKET": str(path)})
+        results = [notifier.notify("WATCHDOG=1") for _ in range(5000)]
+    assert results[0] is True
+    assert results[-1] is False
+
+
 @pytest.mark.parametrize(
     ("environ", "sent"),
     [({}, False), ({"NOTIFY_SOCKET": "/nonexistent/borrowd.sock"}, False)],
