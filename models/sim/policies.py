@@ -1,0 +1,102 @@
+"""Batch policies a simulation runs under: how batch work is admitted and scheduled.
+
+- `none`: no batch work at all.
+- `unrestricted`: batch admitted freely (up to the client's concurrency), FCFS engines.
+- `priority`: batch admitted freely, engines on the priority policy, batch at lower priority.
+- `static:R[:S]`: priority engines plus a constant budget of R batch tokens/s and a cap of S
+  batch sequences (default 8 per replica), through the same gate a controller drives.
+- any other name: a closed-loop controller from `controller.closed_loop.make_policy`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from models.budget import Budget, Mode
+from models.errors import InputError
+from models.protocols import BudgetPolicy
+from models.sim.engine import FCFS, PRIORITY
+from models.sim.scenario import Scenario
+
+STATIC_SEQS_PER_REPLICA = 8
+BUILTIN = ("none", "unrestricted", "priority")
+CONTROLLERS = ("pi", "mpc", "slack")
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """A resolved policy: engine scheduling policy, batch on/off, and the budget source.
+
+    Exactly one of `budget` (published once at the start) and `controller` (asked every
+    `tick_s`) is set when `batch` is true.
+    """
+
+    name: str
+    engine_policy: str
+    batch: bool
+    budget: Budget | None = None
+    controller: BudgetPolicy | None = None
+
+
+def free_budget(scenario: Scenario) -> Budget:
+    """A budget that limits batch only by the client's own concurrency."""
+    concurrency = scenario.batch.client_concurrency
+    return Budget(
+        pool=scenario.pool,
+        mode=Mode.OPEN,
+        reason="free admission",
+        batch_tokens_per_s=1e12,
+        batch_burst_tokens=2**53,
+        max_batch_seqs=concurrency,
+        max_batch_kv_tokens=2**53,
+        max_batch_output_tokens=scenario.batch.output_clip_tokens,
+    )
+
+
+def static_budget(scenario: Scenario, tokens_per_s: float, seqs: int | None = None) -> Budget:
+    """A constant budget: R tokens/s, a bucket of 2 s of R (at least one largest request)."""
+    seqs = STATIC_SEQS_PER_REPLICA * scenario.replicas if seqs is None else seqs
+    largest = scenario.batch.prompt_clip_tokens + scenario.batch.output_clip_tokens
+    return Budget(
+        pool=scenario.pool,
+        mode=Mode.OPEN,
+        reason=f"static {tokens_per_s:g} tokens/s",
+        batch_tokens_per_s=float(tokens_per_s),
+        batch_burst_tokens=int(max(2 * tokens_per_s, largest)),
+        max_batch_seqs=seqs,
+        max_batch_kv_tokens=seqs * largest,
+        max_batch_output_tokens=scenario.batch.output_clip_tokens,
+    )
+
+
+def parse_policy(name: str, scenario: Scenario, plant_path: Path | None = None) -> PolicySpec:
+    """Resolve a policy name; `InputError` naming the problem when it is not one."""
+    if name == "none":
+        return PolicySpec(name, PRIORITY, batch=False)
+    if name == "unrestricted":
+        return PolicySpec(name, FCFS, batch=True, budget=free_budget(scenario))
+    if name == "priority":
+        return PolicySpec(name, PRIORITY, batch=True, budget=free_budget(scenario))
+    if name.startswith("static:"):
+        parts = name.split(":")
+        try:
+            rate = float(parts[1])
+            seqs = int(parts[2]) if len(parts) > 2 else None
+        except (ValueError, IndexError):
+            raise InputError(f"policy {name!r}: expected static:TOKENS_PER_S[:SEQS]") from None
+        if len(parts) > 3 or rate < 0 or (seqs is not None and seqs < 0):
+            raise InputError(f"policy {name!r}: expected static:TOKENS_PER_S[:SEQS] >= 0")
+        return PolicySpec(name, PRIORITY, batch=True, budget=static_budget(scenario, rate, seqs))
+    if name in CONTROLLERS:
+        try:
+            module = importlib.import_module("controller.closed_loop")
+        except ModuleNotFoundError:
+            raise InputError(
+                f"policy {name!r} needs controller.closed_loop, which is not installed yet"
+            ) from None
+        policy = module.make_policy(name, scenario, plant_path)
+        return PolicySpec(name, PRIORITY, batch=True, controller=policy)
+    known = ", ".join((*BUILTIN, "static:R[:S]", *CONTROLLERS))
+    raise InputError(f"unknown policy {name!r} (known: {known})")

@@ -1,0 +1,558 @@
+"""The virtual-time run loop: a fleet fed by trace workloads, batch under a budget, metrics.
+
+Events (a heap, plus a pointer into the sorted interactive arrivals): a replica's step
+ends (its result is applied then, and its next step starts at once if it has work), an
+interactive arrival (routed, and an idle replica starts a step), a policy tick, a gate
+wake-up when the token bucket will hold the next batch request, a once-a-second
+housekeeping pass (clients give up on interactive requests with no first token after
+`ttft_timeout_s`), and replica failure/recovery.
+
+`Simulation` is also a `MetricsSource` (`observe`) and a `BudgetSink` (`publish`), so a
+`BudgetPolicy` runs against it exactly as the daemon runs against Prometheus and Redis.
+Publishing a budget below what is in flight revokes batch requests newest first: they are
+aborted in their engine and their jobs go back to the head of the backlog; the tokens they
+had computed count as recomputed work.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from models.budget import Budget
+from models.errors import InputError
+from models.protocols import BudgetPolicy
+from models.signals import Observation
+from models.sim import metrics
+from models.sim.cores import DEFAULT_ENGINE, make_engine
+from models.sim.engine import EngineConfig, StepResult
+from models.sim.fleet import Fleet
+from models.sim.gate import BatchGate
+from models.sim.policies import PolicySpec
+from models.sim.profiles import get_profile
+from models.sim.request import ABORTED, BATCH, INTERACTIVE, Request
+from models.sim.scenario import BACKLOG, Scenario
+from models.sim.trace import Lengths, Trace
+from models.sim.workload import BatchJob, BatchSource, interactive_arrivals
+
+_STEP, _TICK, _WAKE, _HOUSE, _FAIL, _RECOVER, _BATCH_ARRIVAL = range(7)
+INF = math.inf
+
+
+@dataclass
+class RunResult:
+    """Everything a run produced, ready to summarise (`summary()`) or plot."""
+
+    scenario: Scenario
+    policy: str
+    duration_s: float
+    seed: int
+    rate_scale: float
+    wall_s: float
+    recorder: metrics.Recorder
+    busy_s: float
+    batch: dict[str, float]
+    interactive_preemptions: int
+    budget_timeline: list[dict[str, object]] = field(default_factory=list)
+
+    def summary(self) -> dict[str, object]:
+        """The run as the JSON document of `borrowd sim` (keys fixed by issue #2)."""
+        sc = self.scenario
+        rec = self.recorder
+        wins = metrics.windows(rec, self.duration_s, sc.window_s, sc.replicas, sc.slo)
+        overall = rec.interactive_figures(-1.0, self.duration_s + 1.0)
+        inter: dict[str, object] = {k: metrics._clean(v) for k, v in overall.items()}
+        inter["slo_windows_met_frac"] = round(sum(w.slo_met for w in wins) / len(wins), 4)
+        inter["preemptions"] = self.interactive_preemptions
+        return {
+            "policy": self.policy,
+            "scenario": sc.name,
+            "duration_s": self.duration_s,
+            "seed": self.seed,
+            "wall_s": round(self.wall_s, 3),
+            "speed": round(self.duration_s / self.wall_s, 1) if self.wall_s > 0 else None,
+            "interactive_rate_scale": round(self.rate_scale, 6),
+            "interactive_load_target": sc.interactive_load,
+            "gpu_busy_frac": round(self.busy_s / (sc.replicas * self.duration_s), 4),
+            "interactive": inter,
+            "batch": {
+                k: (round(v, 4) if isinstance(v, float) else v) for k, v in self.batch.items()
+            },
+            "windows": [w.to_json() for w in wins],
+            "budget_timeline": self.budget_timeline,
+        }
+
+
+class Simulation:
+    """One run of a scenario under a policy, in virtual time."""
+
+    def __init__(
+        self,
+        scenario: Scenario,
+        policy: PolicySpec,
+        *,
+        duration_s: float,
+        seed: int,
+        trace: Trace,
+        rate_scale: float,
+        lengths: Lengths | None = None,
+        engine: str = DEFAULT_ENGINE,
+        with_burst: bool = True,
+    ) -> None:
+        if not duration_s > 0:
+            raise InputError(f"duration must be > 0 seconds, got {duration_s!r}")
+        if policy.batch and lengths is None:
+            raise InputError(f"policy {policy.name!r} runs batch work but no batch lengths given")
+        self.scenario = scenario
+        self.policy = policy
+        self.duration_s = float(duration_s)
+        self.seed = seed
+        self.rate_scale = rate_scale
+        profile = get_profile(scenario.profile)
+        config = EngineConfig.for_profile(
+            profile,
+            max_num_batched_tokens=scenario.max_num_batched_tokens,
+            max_num_seqs=scenario.max_num_seqs,
+            block_size=scenario.block_size,
+            long_prefill_token_threshold=scenario.long_prefill_token_threshold,
+            policy=policy.engine_policy,
+        )
+        self.fleet = Fleet(
+            [make_engine(engine, config, profile) for _ in range(scenario.replicas)],
+            scenario.router,
+        )
+        burst = scenario.burst if with_burst else None
+        self.arrivals = interactive_arrivals(
+            trace,
+            rate_scale,
+            self.duration_s,
+            burst.window_s(self.duration_s) if burst else None,
+            burst.rate_multiplier if burst else 1.0,
+        )
+        rng = np.random.default_rng(seed)
+        self._rng = rng
+        self.source = (
+            BatchSource(lengths, scenario.batch, rng) if policy.batch and lengths else None
+        )
+        self._batch_available = (
+            INF if scenario.batch.mode == BACKLOG else 0.0
+        )
+        self.gate = BatchGate()
+        self.rec = metrics.Recorder(self.duration_s)
+        self.now_s = 0.0
+        self._heap: list[tuple[float, int, int, int]] = []
+        self._seq = 0
+        self._pending: list[StepResult | None] = [None] * scenario.replicas
+        self._gen = [0] * scenario.replicas
+        self._waiting_first: dict[str, Request] = {}
+        self._batch_inflight: dict[str, tuple[Request, BatchJob, int]] = {}
+        self._wake_s = INF
+        self.busy_s = 0.0
+        self.batch_computed_tokens = 0
+        self.batch_recomputed_tokens = 0
+        self.batch_completed = 0
+        self.batch_done_prompt_tokens = 0
+        self.batch_done_output_tokens = 0
+        self.batch_preemptions = 0
+        self.interactive_preemptions = 0
+        self.revocations = 0
+        self.budget_timeline: list[dict[str, object]] = []
+
+    # -- events ----------------------------------------------------------------------------
+
+    def _push(self, t: float, kind: int, arg: int = 0) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t, self._seq, kind, arg))
+
+    def _kick(self, r: int, now: float) -> None:
+        """Start a step on replica `r` if it is up, idle and has work."""
+        if self._pending[r] is not None or not self.fleet.up[r]:
+            return
+        res = self.fleet.engines[r].step(now)
+        if res is not None:
+            self._pending[r] = res
+            self._seq += 1
+            heapq.heappush(self._heap, (res.end_s, self._seq, _STEP, r * 1_000_000 + self._gen[r]))
+
+    def _apply(self, res: StepResult) -> None:
+        """Record a finished step's effects (hot path: keep it lean)."""
+        rec = self.rec
+        end = res.end_s
+        sec = int(end)
+        if sec >= len(rec.busy_s_per_s):
+            sec = len(rec.busy_s_per_s) - 1
+        self.busy_s += res.duration_s
+        rec.busy_s_per_s[sec] += res.duration_s
+        if res.batch_tokens:
+            rec.batch_tokens_per_s[sec] += res.batch_tokens
+            self.batch_computed_tokens += res.batch_tokens
+        if res.itl_steady:
+            rec.itl_t.append(end)
+            rec.itl_s.append(res.duration_s)
+            rec.itl_w.append(res.itl_steady)
+        for gap in res.itl_other_s:
+            rec.itl_t.append(end)
+            rec.itl_s.append(gap)
+            rec.itl_w.append(1)
+        for req in res.first_tokens:
+            if req.klass == INTERACTIVE and self._waiting_first.pop(req.request_id, None):
+                rec.ttft_t.append(end)
+                rec.ttft_s.append(end - req.submitted_s)
+        if res.preempted:
+            rec.preemptions_per_s[sec] += len(res.preempted)
+            for req in res.preempted:
+                if req.klass == INTERACTIVE:
+                    self.interactive_preemptions += 1
+                else:
+                    self.batch_preemptions += 1
+        batch_done = False
+        for req in res.finished:
+            self.fleet.done(req)
+            if req.klass == INTERACTIVE:
+                rec.outcome_t.append(end)
+                rec.outcome_ok.append(True)
+            else:
+                self._batch_finished(req, end, sec)
+                batch_done = True
+        if batch_done:
+            self._pump_batch(end)
+
+    def _batch_finished(self, req: Request, now: float, sec: int) -> None:
+        entry = self._batch_inflight.pop(req.request_id, None)
+        if entry is None:
+            return
+        _, job, kv_cost = entry
+        self.gate.release(kv_cost)
+        self.batch_recomputed_tokens += req.recomputed_tokens
+        job.generated_tokens += req.output_tokens
+        if job.remaining_output_tokens > 0:
+            # Output cap reached before the job's end: it resumes later from its prompt
+            # plus what it generated, and that prefix is computed again.
+            job.recomputed_tokens += req.prompt_tokens + req.output_tokens
+            self.batch_recomputed_tokens += req.prompt_tokens + req.output_tokens
+            self.source.push_front(job)  # type: ignore[union-attr]
+            return
+        self.batch_completed += 1
+        self.batch_done_prompt_tokens += job.prompt_tokens
+        self.batch_done_output_tokens += job.output_tokens
+        self.rec.batch_done_tokens_per_s[sec] += job.prompt_tokens + job.output_tokens
+
+    # -- batch admission and revocation ----------------------------------------------------
+
+    def _pump_batch(self, now: float) -> None:
+        """Admit batch requests from the backlog while the gate and the client allow."""
+        source = self.source
+        if source is None or self.gate.budget is None or not self.fleet.any_up():
+            return
+        concurrency = self.scenario.batch.client_concurrency
+        gate = self.gate
+        while self._batch_available >= 1 and len(self._batch_inflight) < concurrency:
+            prompt, remaining = source.peek_cost()
+            out = gate.clamp_output(remaining)
+            wait = gate.try_admit(prompt, out, now)
+            if wait > 0:
+                wake = now + max(wait, 1e-3)
+                if wait < INF and wake < self._wake_s:
+                    self._wake_s = wake
+                    self._push(wake, _WAKE)
+                return
+            job = source.next_job()
+            job.attempts += 1
+            self._batch_available -= 1
+            req = Request(
+                f"b{job.job_id}.{job.attempts}",
+                BATCH,
+                prompt,
+                out,
+                now,
+                priority=self.scenario.batch.priority,
+            )
+            r = self.fleet.route(req)
+            self._batch_inflight[req.request_id] = (req, job, prompt + out)
+            if not self.fleet.engines[r].add_request(req):
+                raise InputError(f"batch request refused by the engine: {req.error}")
+            self._kick(r, now)
+
+    def _revoke_over_caps(self, now: float) -> None:
+        """Abort in-flight batch requests, newest first, until the caps hold."""
+        gate = self.gate
+        for rid in reversed(list(self._batch_inflight)):
+            if not gate.over_caps():
+                return
+            req, job, kv_cost = self._batch_inflight[rid]
+            engine = self.fleet.engines[req.replica]
+            if engine.abort_request(rid) is None:
+                continue  # it completes in the step now running; its end releases it
+            del self._batch_inflight[rid]
+            self.fleet.done(req)
+            gate.release(kv_cost)
+            self.revocations += 1
+            self._requeue_batch(req, job)
+
+    def _requeue_batch(self, req: Request, job: BatchJob) -> None:
+        """Put an aborted batch request's job back at the head of the backlog."""
+        done_output = min(req.output_tokens, job.remaining_output_tokens)
+        job.generated_tokens += done_output
+        lost = req.computed_tokens
+        job.recomputed_tokens += lost
+        self.batch_recomputed_tokens += lost + req.recomputed_tokens
+        self._batch_available += 1
+        if job.remaining_output_tokens > 0:
+            self.source.push_front(job)  # type: ignore[union-attr]
+        else:
+            self.batch_completed += 1
+            self.batch_done_prompt_tokens += job.prompt_tokens
+            self.batch_done_output_tokens += job.output_tokens
+
+    # -- BudgetSink and MetricsSource ------------------------------------------------------
+
+    def publish(self, budget: Budget, now_s: float) -> None:
+        """Enforce `budget` from `now_s`: gate it, revoke beyond its caps, admit within it."""
+        self.gate.set_budget(budget, now_s)
+        self.budget_timeline.append(
+            {
+                "t_s": round(now_s, 3),
+                "mode": budget.mode.value,
+                "reason": budget.reason,
+                "batch_tokens_per_s": round(budget.batch_tokens_per_s, 1),
+                "max_batch_seqs": budget.max_batch_seqs,
+                "max_batch_kv_tokens": budget.max_batch_kv_tokens,
+                "max_batch_output_tokens": budget.max_batch_output_tokens,
+            }
+        )
+        if self.source is None:
+            return
+        self._revoke_over_caps(now_s)
+        self._pump_batch(now_s)
+
+    def observe(self, pool: str, now_s: float) -> Observation:
+        """Signals over the last `observe_window_s` seconds ending at `now_s`."""
+        if pool != self.scenario.pool:
+            return Observation(now_s=now_s, age_s=math.inf)
+        rec = self.rec
+        w = self.scenario.observe_window_s
+        t0 = now_s - w
+        fig = rec.interactive_figures(t0, now_s)
+        lo, hi = max(0, int(t0)), max(0, int(now_s))
+        span = max(1, hi - lo)
+        engines = [e for e, up in zip(self.fleet.engines, self.fleet.up, strict=True) if up]
+        oldest = max((now_s - r.submitted_s for r in self._waiting_first.values()), default=0.0)
+        a, b = rec.window_slice(rec.ttft_t, t0, now_s)
+        return Observation(
+            now_s=now_s,
+            age_s=0.0,
+            ttft_p95_s=fig["ttft_p95_s"],
+            itl_p95_s=fig["itl_p95_s"],
+            success_rate=fig["success_rate"],
+            kv_usage_frac=max((e.kv_usage_frac() for e in engines), default=0.0),
+            interactive_queue_depth=float(sum(e.num_waiting(INTERACTIVE) for e in engines)),
+            interactive_oldest_wait_s=max(0.0, oldest),
+            preemptions_per_s=sum(rec.preemptions_per_s[lo:hi]) / span,
+            interactive_tokens_per_s=sum(rec.interactive_offered_per_s[lo:hi]) / span,
+            batch_tokens_per_s=sum(rec.batch_tokens_per_s[lo:hi]) / span,
+            batch_running_seqs=float(sum(e.num_running(BATCH) for e in engines)),
+            interactive_requests=float(b - a),
+        )
+
+    # -- interactive requests, failures, housekeeping --------------------------------------
+
+    def _submit_interactive(self, req: Request, now: float) -> None:
+        if not self.fleet.any_up():
+            self.rec.outcome_t.append(now)
+            self.rec.outcome_ok.append(False)
+            return
+        r = self.fleet.route(req)
+        if not self.fleet.engines[r].add_request(req):
+            self.fleet.done(req)
+            self.rec.outcome_t.append(now)
+            self.rec.outcome_ok.append(False)
+            return
+        if req.first_token_s < 0:
+            self._waiting_first[req.request_id] = req
+        self._kick(r, now)
+
+    def _housekeeping(self, now: float) -> None:
+        timeout = self.scenario.ttft_timeout_s
+        expired = [
+            r for r in self._waiting_first.values()
+            if now - r.submitted_s >= timeout and r.first_token_s < 0
+        ]
+        for req in expired:
+            del self._waiting_first[req.request_id]
+            if self.fleet.engines[req.replica].abort_request(req.request_id) is not None:
+                self.fleet.done(req)
+            req.status = ABORTED
+            self.rec.ttft_t.append(now)
+            self.rec.ttft_s.append(now - req.submitted_s)
+            self.rec.outcome_t.append(now)
+            self.rec.outcome_ok.append(False)
+
+    def _fail(self, r: int, now: float) -> None:
+        """Replica `r` goes down: its step in flight completes, then every request is lost."""
+        pending = self._pending[r]
+        self._pending[r] = None
+        self._gen[r] += 1
+        if pending is not None:
+            self._apply(pending)
+        self.fleet.up[r] = False
+        engine = self.fleet.engines[r]
+        lost = list(engine.requests.values())
+        for req in lost:
+            engine.abort_request(req.request_id)
+            self.fleet.done(req)
+        for req in lost:
+            if req.klass == INTERACTIVE:
+                self._waiting_first.pop(req.request_id, None)
+                self._submit_interactive(_resubmission(req), now)
+            else:
+                entry = self._batch_inflight.pop(req.request_id, None)
+                if entry is not None:
+                    self.gate.release(entry[2])
+                    self._requeue_batch(req, entry[1])
+        self._pump_batch(now)
+
+    def _recover(self, r: int, now: float) -> None:
+        self.fleet.up[r] = True
+        self._pump_batch(now)
+
+    # -- the loop --------------------------------------------------------------------------
+
+    def run(self) -> RunResult:
+        """Run to `duration_s` and return the result."""
+        wall0 = time.perf_counter()
+        sc = self.scenario
+        duration = self.duration_s
+        controller: BudgetPolicy | None = self.policy.controller
+        if self.policy.batch and self.policy.budget is not None:
+            self.publish(self.policy.budget, 0.0)
+        if controller is not None:
+            self._push(0.0, _TICK)
+        self._push(1.0, _HOUSE)
+        if sc.failure is not None:
+            f0, f1 = sc.failure.window_s(duration)
+            if f0 < duration:
+                self._push(f0, _FAIL, sc.failure.replica)
+                self._push(f1, _RECOVER, sc.failure.replica)
+        if self.source is not None and sc.batch.mode != BACKLOG and sc.batch.submit_rate_per_s > 0:
+            self._push(self._rng.exponential(1.0 / sc.batch.submit_rate_per_s), _BATCH_ARRIVAL)
+
+        arr_t = self.arrivals.arrival_s.tolist()
+        arr_p = self.arrivals.prompt_tokens.tolist()
+        arr_o = self.arrivals.output_tokens.tolist()
+        n_arr = len(arr_t)
+        idx = 0
+        heap = self._heap
+        pending = self._pending
+        gen = self._gen
+        engines = self.fleet.engines
+        offered = self.rec.interactive_offered_per_s
+        prio = sc.interactive_priority
+        last_bin = len(offered) - 1
+        while True:
+            t_arr = arr_t[idx] if idx < n_arr else INF
+            t_ev = heap[0][0] if heap else INF
+            if t_arr <= t_ev:
+                if t_arr >= duration:
+                    break
+                self.now_s = t_arr
+                p, o = arr_p[idx], arr_o[idx]
+                req = Request(f"i{idx}", INTERACTIVE, p, o, t_arr, priority=prio)
+                offered[min(int(t_arr), last_bin)] += p + o
+                idx += 1
+                self._submit_interactive(req, t_arr)
+                continue
+            if t_ev >= duration:
+                break
+            t, _, kind, arg = heapq.heappop(heap)
+            self.now_s = t
+            if kind == _STEP:
+                r, g = divmod(arg, 1_000_000)
+                if g != gen[r]:
+                    continue
+                res = pending[r]
+                pending[r] = None
+                self._apply(res)  # type: ignore[arg-type]
+                if pending[r] is None:
+                    nxt = engines[r].step(t)
+                    if nxt is not None:
+                        pending[r] = nxt
+                        self._seq += 1
+                        heapq.heappush(heap, (nxt.end_s, self._seq, _STEP, r * 1_000_000 + g))
+            elif kind == _TICK:
+                assert controller is not None
+                budget = controller.decide(self.observe(sc.pool, t), t)
+                self.publish(budget, t)
+                self._push(t + controller.tick_s, _TICK)
+            elif kind == _WAKE:
+                if t >= self._wake_s:
+                    self._wake_s = INF
+                    self._pump_batch(t)
+            elif kind == _HOUSE:
+                self._housekeeping(t)
+                self._push(t + 1.0, _HOUSE)
+            elif kind == _FAIL:
+                self._fail(arg, t)
+            elif kind == _RECOVER:
+                self._recover(arg, t)
+            elif kind == _BATCH_ARRIVAL:
+                self._batch_available += 1
+                self._pump_batch(t)
+                self._push(
+                    t + self._rng.exponential(1.0 / sc.batch.submit_rate_per_s), _BATCH_ARRIVAL
+                )
+        wall = time.perf_counter() - wall0
+        return RunResult(
+            scenario=sc,
+            policy=self.policy.name,
+            duration_s=duration,
+            seed=self.seed,
+            rate_scale=self.rate_scale,
+            wall_s=wall,
+            recorder=self.rec,
+            busy_s=self.busy_s,
+            batch=self._batch_figures(),
+            interactive_preemptions=self.interactive_preemptions,
+            budget_timeline=self.budget_timeline,
+        )
+
+    def _batch_figures(self) -> dict[str, float]:
+        d = self.duration_s
+        done = self.batch_done_prompt_tokens + self.batch_done_output_tokens
+        computed = self.batch_computed_tokens
+        return {
+            "completed": self.batch_completed,
+            "tokens_per_s": done / d,
+            "prompt_tokens_per_s": self.batch_done_prompt_tokens / d,
+            "output_tokens_per_s": self.batch_done_output_tokens / d,
+            "computed_tokens_per_s": computed / d,
+            "recomputed_tokens": self.batch_recomputed_tokens,
+            "recomputed_tokens_frac": self.batch_recomputed_tokens / computed if computed else 0.0,
+            "preemptions": self.batch_preemptions,
+            "revocations": self.revocations,
+        }
+
+
+def _resubmission(req: Request) -> Request:
+    """A lost interactive request sent again: same client times, continuing its output."""
+    new = Request(
+        _next_attempt_id(req.request_id),
+        req.klass,
+        req.prompt_tokens + req.output_tokens,
+        req.max_output_tokens - req.output_tokens,
+        req.arrival_s,
+        priority=req.priority,
+        submitted_s=req.submitted_s,
+    )
+    new.first_token_s = req.first_token_s
+    new.last_token_s = req.last_token_s
+    new.recomputed_tokens = req.recomputed_tokens + req.computed_tokens
+    return new
+
+
+def _next_attempt_id(request_id: str) -> str:
+    base, _, attempt = request_id.partition("#")
+    return f"{base}#{int(attempt or 1) + 1}"

@@ -1,0 +1,195 @@
+"""Loading request traces: interactive arrivals with token lengths, and batch length pools.
+
+Interactive traces come as the Azure LLM inference CSV (`TIMESTAMP,ContextTokens,
+GeneratedTokens`, absolute timestamps) or as JSONL (`timestamp` in ms, `input_length`,
+`output_length`). Arrival times are made relative to the first request. Batch lengths come
+from the vidur summarization CSV (`num_prefill_tokens,num_decode_tokens,...`).
+A malformed file raises `InputError` naming the file and the line.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+
+from models.errors import InputError
+
+TRACES_ENV = "BORROWD_TRACES_DIR"
+AZURE_HEADER = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+LENGTHS_HEADER = ("num_prefill_tokens", "num_decode_tokens")
+
+
+@dataclass(frozen=True)
+class Trace:
+    """Interactive requests of a trace: relative arrival seconds and token lengths."""
+
+    path: Path
+    arrival_s: np.ndarray
+    prompt_tokens: np.ndarray
+    output_tokens: np.ndarray
+
+    @property
+    def span_s(self) -> float:
+        """Time from the first to the last arrival."""
+        return float(self.arrival_s[-1]) if len(self.arrival_s) else 0.0
+
+    @property
+    def period_s(self) -> float:
+        """Length of one cycle when the trace is repeated: span plus one mean gap."""
+        n = len(self.arrival_s)
+        return self.span_s + (self.span_s / (n - 1) if n > 1 else 1.0)
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """A pool of (prompt, output) token lengths to draw batch requests from."""
+
+    path: Path
+    prompt_tokens: np.ndarray
+    output_tokens: np.ndarray
+
+
+def traces_dir() -> Path:
+    """Folder of the shared traces: $BORROWD_TRACES_DIR, else `../shared/traces` of the repo."""
+    env = os.environ.get(TRACES_ENV)
+    path = Path(env) if env else Path(__file__).resolve().parents[2].parent / "shared" / "traces"
+    if not path.is_dir():
+        raise InputError(f"traces folder {path} does not exist (set {TRACES_ENV})")
+    return path
+
+
+def resolve_trace(name_or_path: str | Path) -> Path:
+    """A trace path as given if it has a folder part or exists, else inside `traces_dir()`."""
+    path = Path(name_or_path)
+    if path.exists() or len(path.parts) > 1:
+        return path
+    return traces_dir() / path
+
+
+def load_trace(path: str | Path) -> Trace:
+    """Read an interactive trace, CSV (Azure) or JSONL by its content; sorted by arrival."""
+    path = Path(path)
+    try:
+        with path.open("r", encoding="utf-8") as fh:
+            first = fh.readline()
+            fh.seek(0)
+            if first.lstrip().startswith("{"):
+                rows = _read_jsonl(path, fh)
+            else:
+                rows = _read_azure_csv(path, fh)
+    except FileNotFoundError:
+        raise InputError(f"trace file {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"trace file {path} cannot be read: {exc}") from None
+    if not rows:
+        raise InputError(f"trace file {path} holds no requests")
+    rows.sort(key=lambda r: r[0])
+    t = np.array([r[0] for r in rows], dtype=float)
+    return Trace(
+        path=path,
+        arrival_s=t - t[0],
+        prompt_tokens=np.array([r[1] for r in rows], dtype=np.int64),
+        output_tokens=np.array([r[2] for r in rows], dtype=np.int64),
+    )
+
+
+def load_lengths(path: str | Path) -> Lengths:
+    """Read a length pool CSV with `num_prefill_tokens,num_decode_tokens` columns."""
+    path = Path(path)
+    prompts: list[int] = []
+    outputs: list[int] = []
+    try:
+        with path.open("r", encoding="utf-8", newline="") as fh:
+            reader = csv.reader(fh)
+            header = next(reader, None)
+            if header is None or tuple(header[:2]) != LENGTHS_HEADER:
+                raise InputError(
+                    f"{path}:1: expected header starting {','.join(LENGTHS_HEADER)}, "
+                    f"got {','.join(header or [])!r}"
+                )
+            for lineno, row in enumerate(reader, start=2):
+                if not row:
+                    continue
+                prompts.append(_positive(path, lineno, "num_prefill_tokens", row[0]))
+                outputs.append(
+                    _positive(path, lineno, "num_decode_tokens", row[1] if len(row) > 1 else "")
+                )
+    except FileNotFoundError:
+        raise InputError(f"lengths file {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"lengths file {path} cannot be read: {exc}") from None
+    if not prompts:
+        raise InputError(f"lengths file {path} holds no rows")
+    return Lengths(path, np.array(prompts, dtype=np.int64), np.array(outputs, dtype=np.int64))
+
+
+def _positive(path: Path, lineno: int, name: str, text: str) -> int:
+    try:
+        value = int(float(text))
+    except ValueError:
+        raise InputError(f"{path}:{lineno}: {name} is not a number: {text!r}") from None
+    if value <= 0:
+        raise InputError(f"{path}:{lineno}: {name} must be > 0, got {value}")
+    return value
+
+
+def _read_azure_csv(path: Path, fh) -> list[tuple[float, int, int]]:
+    reader = csv.reader(fh)
+    header = next(reader, None)
+    if header is None or tuple(h.strip() for h in header[:3]) != AZURE_HEADER:
+        raise InputError(
+            f"{path}:1: expected header {','.join(AZURE_HEADER)} (or JSONL), got "
+            f"{','.join(header or [])!r}"
+        )
+    rows = []
+    for lineno, row in enumerate(reader, start=2):
+        if not row:
+            continue
+        if len(row) < 3:
+            raise InputError(f"{path}:{lineno}: expected 3 fields, got {len(row)}")
+        try:
+            ts = datetime.fromisoformat(row[0].strip()).timestamp()
+        except ValueError:
+            raise InputError(f"{path}:{lineno}: bad TIMESTAMP {row[0]!r}") from None
+        rows.append(
+            (
+                ts,
+                _positive(path, lineno, "ContextTokens", row[1]),
+                _positive(path, lineno, "GeneratedTokens", row[2]),
+            )
+        )
+    return rows
+
+
+def _read_jsonl(path: Path, fh) -> list[tuple[float, int, int]]:
+    rows = []
+    for lineno, line in enumerate(fh, start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError as exc:
+            raise InputError(f"{path}:{lineno}: not JSON: {exc}") from None
+        if not isinstance(obj, dict):
+            raise InputError(f"{path}:{lineno}: expected a JSON object")
+        for key in ("timestamp", "input_length", "output_length"):
+            if key not in obj:
+                raise InputError(f"{path}:{lineno}: missing key {key!r}")
+        try:
+            ts_ms = float(obj["timestamp"])
+        except (TypeError, ValueError):
+            raise InputError(f"{path}:{lineno}: bad timestamp {obj['timestamp']!r}") from None
+        rows.append(
+            (
+                ts_ms / 1000.0,
+                _positive(path, lineno, "input_length", str(obj["input_length"])),
+                _positive(path, lineno, "output_length", str(obj["output_length"])),
+            )
+        )
+    return rows
