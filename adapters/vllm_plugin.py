@@ -4,7 +4,10 @@ Load it into vLLM (checked against vLLM 0.33.0) with
 
     BORROWD_POOL=chat BORROWD_REDIS_URL=redis://redis:6379/0 \\
     vllm serve MODEL --scheduling-policy priority \\
-        --scheduler-cls adapters.vllm_plugin.BorrowdScheduler
+        --scheduler-cls adapters.vllm_plugin.BorrowdAsyncScheduler
+
+(`BorrowdAsyncScheduler` extends vLLM's `AsyncScheduler`, for asynchronous scheduling, vLLM's
+default; `BorrowdScheduler` extends the synchronous `Scheduler`.)
 
 Requests whose priority is at or past `BORROWD_BATCH_PRIORITY` (default 10, what the proxy
 injects for batch) are batch. In each step they get together at most
@@ -30,6 +33,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
@@ -43,10 +47,11 @@ from adapters.engine_budget import (
 from models.budget import Budget
 
 
-class BorrowdScheduler(Scheduler):
-    """vLLM's V1 scheduler with batch requests held to the pool's budget (module docstring).
+class BudgetEnforcement:
+    """Batch requests held to the pool's budget inside a vLLM V1 scheduler (module docstring).
 
-    vLLM builds it with the usual scheduler arguments; tests and the simulator may also pass
+    Mixed in ahead of vLLM's `Scheduler` or `AsyncScheduler`. vLLM builds it with the usual
+    scheduler arguments; tests and the simulator may also pass
     `budget_source` (instead of Redis), `plugin_config`, `clock` (wall seconds, for record
     freshness) and `step_clock` (seconds, for step timing; None: steps are timed only by
     `observe_step_s`).
@@ -143,3 +148,11 @@ class BorrowdScheduler(Scheduler):
             self._watcher.stop()
             self._watcher = None
         super().shutdown()
+
+
+class BorrowdScheduler(BudgetEnforcement, Scheduler):
+    """vLLM's synchronous V1 `Scheduler` with the borrowd budget enforced."""
+
+
+class BorrowdAsyncScheduler(BudgetEnforcement, AsyncScheduler):
+    """vLLM's `AsyncScheduler` (asynchronous scheduling) with the borrowd budget enforced."""

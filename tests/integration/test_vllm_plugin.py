@@ -11,7 +11,7 @@ pytest.importorskip("vllm", reason="needs the optional vLLM extra (see .ci/run)"
 
 from adapters.redis_conn import connect
 from adapters.store import BudgetStore
-from adapters.vllm_plugin import BorrowdScheduler
+from adapters.vllm_plugin import BorrowdAsyncScheduler, BorrowdScheduler
 from models.budget import Budget, Mode
 from tests.support import vllm_harness as h
 from tests.support.servers import ServerProcess, wait_until
@@ -59,8 +59,8 @@ def _publish(store: BudgetStore, budget: Budget, ttl_ms: int = 60_000) -> None:
     store.publish(budget, epoch=1, ttl_ms=ttl_ms, now_s=time.time())
 
 
-def _plugin(**overrides: object) -> BorrowdScheduler:
-    sched = h.scheduler(h.engine_config(**overrides), BorrowdScheduler, step_clock=StepClock())
+def _plugin(cls: type = BorrowdScheduler, **overrides: object) -> BorrowdScheduler:
+    sched = h.scheduler(h.engine_config(**overrides), cls, step_clock=StepClock())
     _LIVE.append(sched)
     wait_until(sched.budget_source.ready.is_set, 10.0, "the plugin's budget watcher")
     return sched
@@ -70,13 +70,15 @@ def _batch_tokens(scheduled: dict[str, int]) -> int:
     return sum(n for rid, n in scheduled.items() if rid.startswith("b"))
 
 
-@pytest.mark.parametrize("with_plugin", [False, True], ids=["plain-vllm", "borrowd-plugin"])
+@pytest.mark.parametrize("plugin_cls", [None, BorrowdScheduler, BorrowdAsyncScheduler],
+                         ids=["plain-vllm", "borrowd-scheduler", "borrowd-async-scheduler"])
 def test_batch_prefill_no_longer_fills_steps_ahead_of_interactive(
-    store: BudgetStore, with_plugin: bool
+    store: BudgetStore, plugin_cls: type | None
 ) -> None:
     """A running 32k batch prefill delays an interactive prefill 3 steps; not under the plugin."""
     _publish(store, _budget(20_000.0))
-    sched = _plugin() if with_plugin else h.scheduler(h.engine_config())
+    with_plugin = plugin_cls is not None
+    sched = _plugin(plugin_cls) if plugin_cls else h.scheduler(h.engine_config())
     h.add(sched, "b0", 32768, 16, priority=h.BATCH_PRIORITY)
     first = h.step(sched)
     h.add(sched, "i0", 2000, 16, priority=h.INTERACTIVE_PRIORITY, arrival_s=1.0)
@@ -166,3 +168,15 @@ def test_interactive_never_held_back(store: BudgetStore, budget: Budget | None) 
             h.add(sched, rid, prompt, out, priority=h.INTERACTIVE_PRIORITY, arrival_s=float(k))
         traces.append([h.step(sched) for _ in range(40)])
     assert traces[0] == traces[1]
+
+
+@pytest.mark.parametrize("name", ["BorrowdScheduler", "BorrowdAsyncScheduler"])
+def test_vllm_resolves_the_scheduler_cls_option(name: str) -> None:
+    """`--scheduler-cls adapters.vllm_plugin.NAME` resolves to the plugin class."""
+    from vllm.config import SchedulerConfig
+
+    import adapters.vllm_plugin
+
+    config = SchedulerConfig(max_model_len=8192, is_encoder_decoder=False,
+                             scheduler_cls=f"adapters.vllm_plugin.{name}")
+    assert config.get_scheduler_cls() is getattr(adapters.vllm_plugin, name)
