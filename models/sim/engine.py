@@ -15,9 +15,12 @@ The scheduler mirrors vLLM V1's `Scheduler.schedule()` (vllm/v1/core/sched/sched
 3. WAITING requests next, only when nothing was preempted in this step, while budget is
    left and fewer than `max_num_seqs` run: the head of the queue (FCFS order, or the lowest
    (priority, arrival_s, request_id) under the priority policy) gets its first chunk. It is
-   admitted only if the KV pool holds blocks for its whole prompt (`admit_full_prompt`,
-   default; the blocks are reserved at admission) or, as vLLM itself does, for the first
-   chunk (`admit_full_prompt=False`); otherwise the WAITING pass stops (head-of-line).
+   admitted only if the KV pool holds free blocks for its whole prompt
+   (`admit_full_prompt`, vLLM's `scheduler_reserve_full_isl`, default) and for its first
+   chunk; only the chunk's blocks are allocated. Otherwise the WAITING pass stops.
+   The long-prefill threshold applies only when more than one request is running or
+   waiting; under the priority policy a request that is its own preemption victim lets
+   the RUNNING pass go on (FCFS stops there). See docs/conformance.md.
 4. After the step, `computed_tokens` of every scheduled request has advanced; each request
    whose `computed_tokens == num_tokens` emits one token; a request finishes when its output
    reaches `max_output_tokens`, and its blocks are freed.
@@ -265,7 +268,10 @@ class Engine:
         """Choose this step's tokens per request (vLLM V1 order) and advance their progress."""
         cfg = self.config
         bs = cfg.block_size
-        thr = cfg.long_prefill_token_threshold
+        waiting = self._waiting_count
+        # vLLM applies the long-prefill threshold only when another request could starve.
+        eligible = len(self.running) + waiting[INTERACTIVE] + waiting[BATCH]
+        thr = cfg.long_prefill_token_threshold if eligible > 1 else 0
         limit = cfg.max_model_len - 1
         budget = cfg.max_num_batched_tokens
         running = self.running
@@ -308,6 +314,9 @@ class Engine:
                     victim_is_req = True
                     break
             if victim_is_req:
+                if self._priority:
+                    # vLLM: higher-priority running requests may fit in what it freed.
+                    continue
                 break
             if need > 0:
                 free -= need
@@ -329,8 +338,9 @@ class Engine:
                     n = thr
                 if n > budget:
                     n = budget
-                need = (total if full else n) + bs - 1
-                need = need // bs
+                if full and (total + bs - 1) // bs > free:
+                    break
+                need = (n + bs - 1) // bs
                 if need > free:
                     break
                 self._pop_waiting()

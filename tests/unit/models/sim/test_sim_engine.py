@@ -146,6 +146,7 @@ def test_chunked_prefill(prompt: int, threshold: int, expected: list[int]) -> No
     engine = make_engine(long_prefill_token_threshold=threshold)
     req = Request("p", INTERACTIVE, prompt, 2, 0.0)
     engine.add_request(req)
+    engine.add_request(Request("other", INTERACTIVE, 1, 10_000, 1.0))  # threshold needs two
     chunks = []
     now = 0.0
     while req.first_token_s < 0:

@@ -1,7 +1,6 @@
 """The native engine against vLLM's real V1 scheduler on the same request stream, step by step.
 
-Cases the native engine does not match yet are strict xfails naming the rule it lacks
-(docs/conformance.md); once it is fixed they pass and the xfail must go.
+The native engine follows vLLM's rules D1-D3 of docs/conformance.md, so every case agrees.
 """
 
 from __future__ import annotations
@@ -18,19 +17,14 @@ from tests.support import vllm_harness as h
 
 pytestmark = pytest.mark.vllm
 
-DIFFERS = "native engine lacks vLLM rules D1-D3 of docs/conformance.md"
-
 CASES = [
     pytest.param(dict(), 1, id="priority-whole-prefills"),
     pytest.param(dict(policy="fcfs"), 1, id="fcfs-whole-prefills"),
-    pytest.param(dict(long_prefill_token_threshold=2048), 1, id="priority-chunked",
-                 marks=pytest.mark.xfail(strict=True, reason=DIFFERS)),
+    pytest.param(dict(long_prefill_token_threshold=2048), 1, id="priority-chunked"),
     pytest.param(dict(long_prefill_token_threshold=512, policy="fcfs", num_gpu_blocks=2200), 1,
-                 id="fcfs-chunked-kv-pressure",
-                 marks=pytest.mark.xfail(strict=True, reason=DIFFERS)),
+                 id="fcfs-chunked-kv-pressure"),
     pytest.param(dict(long_prefill_token_threshold=1024, num_gpu_blocks=2120), 2,
-                 id="priority-chunked-kv-pressure",
-                 marks=pytest.mark.xfail(strict=True, reason=DIFFERS)),
+                 id="priority-chunked-kv-pressure"),
 ]
 
 
