@@ -1,0 +1,114 @@
+"""`borrowd sim` (one simulated run as JSON) and `borrowd bench` (policies side by side)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from models.errors import InputError
+from models.sim.bench import format_table, plot, run_bench
+from models.sim.cores import DEFAULT_ENGINE, ENGINE_CORES
+from models.sim.profiles import get_profile
+from models.sim.run import run_scenario
+from models.sim.scenario import Scenario, get_scenario
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the `sim` and `bench` subcommands."""
+    sim = subparsers.add_parser("sim", help="run the engine simulator on a scenario")
+    _common(sim)
+    sim.add_argument("--policy", required=True,
+                     help="none | unrestricted | priority | static:R[:S] | pi | mpc | slack")
+    sim.add_argument("--json", type=Path, help="write the run's figures to this file")
+    sim.add_argument("--plant", type=Path, help="identified plant model (pi/mpc/slack)")
+    sim.set_defaults(func=cmd_sim)
+
+    bench = subparsers.add_parser("bench", help="compare batch policies on a scenario")
+    _common(bench)
+    bench.add_argument("--policies", nargs="+",
+                       help="policies to compare (default: all available)")
+    bench.add_argument("--no-sweep", action="store_true",
+                       help="skip the sweep for the best static cap")
+    bench.add_argument("--json", type=Path, help="write every run's figures to this file")
+    bench.add_argument("--plot", type=Path, help="write a latency/utilization plot (PNG)")
+    bench.add_argument("--plant", type=Path, help="identified plant model (pi/mpc/slack)")
+    bench.add_argument("--workers", type=int, default=2, help="parallel runs (processes)")
+    bench.set_defaults(func=cmd_bench)
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--scenario", default="seed", help="scenario name (seed, seed-failure)")
+    p.add_argument("--duration", type=float, default=3600.0, help="simulated seconds")
+    p.add_argument("--seed", type=int, default=0, help="random seed (batch draws)")
+    p.add_argument("--interactive-trace", help="trace file (Azure CSV or JSONL)")
+    p.add_argument("--interactive-load", type=float,
+                   help="GPU busy fraction of interactive work alone (default 0.40)")
+    p.add_argument("--profile", help="step-time profile (h100-llama3-8b, a100-llama3-8b)")
+    p.add_argument("--engine", default=DEFAULT_ENGINE,
+                   help=f"engine core ({', '.join(sorted(ENGINE_CORES))})")
+
+
+def _scenario(args: argparse.Namespace) -> Scenario:
+    if not args.duration > 0:
+        raise InputError(f"--duration must be > 0 seconds, got {args.duration:g}")
+    scenario = get_scenario(args.scenario)
+    changes: dict[str, object] = {}
+    if args.profile:
+        get_profile(args.profile)
+        changes["profile"] = args.profile
+    if args.interactive_load is not None:
+        changes["interactive_load"] = args.interactive_load
+    if args.interactive_trace:
+        if not Path(args.interactive_trace).is_file():
+            raise InputError(f"interactive trace {args.interactive_trace} does not exist")
+        changes["interactive_trace"] = args.interactive_trace
+    return scenario.with_overrides(**changes) if changes else scenario
+
+
+def cmd_sim(args: argparse.Namespace) -> int:
+    """Run one scenario under one policy; print a summary, write JSON if asked."""
+    scenario = _scenario(args)
+    result = run_scenario(
+        scenario,
+        args.policy,
+        duration_s=args.duration,
+        seed=args.seed,
+        trace_path=args.interactive_trace,
+        engine=args.engine,
+        plant_path=args.plant,
+    )
+    summary = result.summary()
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=1) + "\n")
+    print(format_table([summary]))
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Run the policy comparison; print the table, write JSON and a plot if asked."""
+    scenario = _scenario(args)
+    if args.workers <= 0:
+        raise InputError(f"--workers must be > 0, got {args.workers}")
+    report = run_bench(
+        scenario,
+        duration_s=args.duration,
+        seed=args.seed,
+        policies=args.policies,
+        sweep=not args.no_sweep,
+        trace_path=args.interactive_trace,
+        engine=args.engine,
+        plant_path=str(args.plant) if args.plant else None,
+        workers=args.workers,
+    )
+    print(
+        f"scenario {scenario.name}, {args.duration:g} s simulated, interactive rate scale "
+        f"{report['interactive_rate_scale']:.4f} (load {scenario.interactive_load:g})"
+    )
+    print(format_table(report["rows"]))  # type: ignore[arg-type]
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
+    if args.plot:
+        plot(report["rows"], args.plot, scenario.slo.ttft_p95_s,  # type: ignore[arg-type]
+             scenario.slo.itl_p95_s)
+    return 0

@@ -1,0 +1,225 @@
+"""The policy comparison on one scenario: runs side by side, a static-cap sweep, table, plot.
+
+Independent runs go to a process pool. The best static cap is the largest `static:R` that
+meets every SLO window, found on a grid of fractions of what `priority` computes for batch
+and then refined by bisection between the best passing and the first failing rate.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from models.sim.policies import parse_policy
+from models.sim.run import calibrate_rate_scale, load_inputs, run_scenario
+from models.sim.scenario import Scenario
+
+DEFAULT_POLICIES = ("none", "unrestricted", "priority")
+CONTROLLER_POLICIES = ("pi", "mpc", "slack")
+SWEEP_FRACTIONS = (0.03, 0.06, 0.1, 0.15, 0.22, 0.3, 0.4, 0.55)
+REFINE_STEPS = 2
+
+
+@dataclass(frozen=True)
+class RunRequest:
+    """One run of the bench (picklable, for the process pool)."""
+
+    scenario: Scenario
+    policy: str
+    duration_s: float
+    seed: int
+    rate_scale: float
+    trace_path: str | None
+    engine: str
+    plant_path: str | None
+
+
+def run_one(req: RunRequest) -> dict[str, object]:
+    """Run one policy and return its JSON summary."""
+    res = run_scenario(
+        req.scenario,
+        req.policy,
+        duration_s=req.duration_s,
+        seed=req.seed,
+        trace_path=req.trace_path,
+        rate_scale=req.rate_scale,
+        engine=req.engine,
+        plant_path=Path(req.plant_path) if req.plant_path else None,
+    )
+    return res.summary()
+
+
+def controllers_available() -> bool:
+    """True when `controller.closed_loop` (pi, mpc, slack policies) is installed."""
+    return importlib.util.find_spec("controller.closed_loop") is not None
+
+
+def meets_every_window(summary: dict[str, object]) -> bool:
+    """True when every SLO window of a run was met."""
+    return summary["interactive"]["slo_windows_met_frac"] >= 1.0  # type: ignore[index]
+
+
+def run_bench(
+    scenario: Scenario,
+    *,
+    duration_s: float,
+    seed: int = 0,
+    policies: Sequence[str] | None = None,
+    sweep: bool = True,
+    trace_path: str | None = None,
+    engine: str = "native",
+    plant_path: str | None = None,
+    workers: int = 2,
+) -> dict[str, object]:
+    """Run the policies (and the static sweep) and return {rows, sweep, rate_scale}."""
+    trace, _ = load_inputs(scenario, trace_path)
+    scale = calibrate_rate_scale(scenario, trace, engine)
+    if policies is None:
+        policies = list(DEFAULT_POLICIES)
+        if controllers_available():
+            policies += list(CONTROLLER_POLICIES)
+
+    for name in policies:
+        parse_policy(name, scenario, Path(plant_path) if plant_path else None)
+
+    def req(policy: str) -> RunRequest:
+        return RunRequest(scenario, policy, duration_s, seed, scale, trace_path, engine, plant_path)
+
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        names = list(policies)
+        if sweep and "priority" not in names:
+            names.insert(0, "priority")
+        results = dict(zip(names, pool.map(run_one, [req(p) for p in names]), strict=True))
+        sweep_runs: dict[float, dict[str, object]] = {}
+        best: dict[str, object] | None = None
+        if sweep:
+            ceiling = float(results["priority"]["batch"]["computed_tokens_per_s"])  # type: ignore[index]
+            rates = [round(f * ceiling, -2) for f in SWEEP_FRACTIONS]
+            for rate, summary in zip(
+                rates, pool.map(run_one, [req(f"static:{r:g}") for r in rates]), strict=True
+            ):
+                sweep_runs[rate] = summary
+            best = _refine(sweep_runs, req, pool)
+    rows = [results[p] for p in policies if p in results]
+    if best is not None:
+        best = dict(best)
+        best["policy"] = f"best {best['policy']}"
+        rows.insert(min(3, len(rows)), best)
+    return {
+        "scenario": scenario.name,
+        "duration_s": duration_s,
+        "seed": seed,
+        "interactive_rate_scale": scale,
+        "rows": rows,
+        "sweep": [
+            {
+                "batch_tokens_per_s_cap": rate,
+                "slo_windows_met_frac": s["interactive"]["slo_windows_met_frac"],  # type: ignore[index]
+                "batch_tokens_per_s": s["batch"]["tokens_per_s"],  # type: ignore[index]
+            }
+            for rate, s in sorted(sweep_runs.items())
+        ],
+    }
+
+
+def _refine(runs: dict[float, dict[str, object]], req, pool) -> dict[str, object] | None:
+    """Bisect between the best passing rate and the next failing one; best passing run."""
+    for _ in range(REFINE_STEPS):
+        passing = [r for r, s in runs.items() if meets_every_window(s)]
+        failing = [r for r, s in runs.items() if not meets_every_window(s)]
+        if not passing:
+            low, high = 0.0, min(failing)
+        else:
+            low = max(passing)
+            above = [r for r in failing if r > low]
+            if not above:
+                break
+            high = min(above)
+        mids = [round(low + (high - low) * f, -1) for f in (1 / 3, 2 / 3)]
+        mids = [m for m in mids if m > 0 and m not in runs]
+        for rate, summary in zip(
+            mids, pool.map(run_one, [req(f"static:{m:g}") for m in mids]), strict=True
+        ):
+            runs[rate] = summary
+    passing = [r for r, s in runs.items() if meets_every_window(s)]
+    return runs[max(passing)] if passing else None
+
+
+COLUMNS = (
+    ("policy", "policy", "{}"),
+    ("busy", "gpu_busy_frac", "{:.3f}"),
+    ("ttft p95 s", "interactive.ttft_p95_s", "{:.3f}"),
+    ("ttft p99 s", "interactive.ttft_p99_s", "{:.3f}"),
+    ("itl p95 ms", "interactive.itl_p95_s*1000", "{:.1f}"),
+    ("itl p99 ms", "interactive.itl_p99_s*1000", "{:.1f}"),
+    ("success", "interactive.success_rate", "{:.4f}"),
+    ("slo win", "interactive.slo_windows_met_frac", "{:.3f}"),
+    ("batch tok/s", "batch.tokens_per_s", "{:.0f}"),
+    ("recomp", "batch.recomputed_tokens_frac", "{:.3f}"),
+    ("preempt", "batch.preemptions", "{}"),
+    ("x realtime", "speed", "{:.0f}"),
+)
+
+
+def _field(row: dict[str, object], path: str) -> object:
+    scale = 1.0
+    if "*" in path:
+        path, factor = path.split("*")
+        scale = float(factor)
+    value: object = row
+    for part in path.split("."):
+        value = value.get(part) if isinstance(value, dict) else None  # type: ignore[union-attr]
+    if isinstance(value, int | float) and not isinstance(value, bool) and scale != 1.0:
+        return value * scale
+    return value
+
+
+def format_table(rows: Sequence[dict[str, object]]) -> str:
+    """The rows as a Markdown table (the bench's printout and the README's table)."""
+    head = [c[0] for c in COLUMNS]
+    body = []
+    for row in rows:
+        cells = []
+        for _, path, fmt in COLUMNS:
+            v = _field(row, path)
+            if v is None or (isinstance(v, float) and math.isnan(v)):
+                cells.append("-")
+            else:
+                cells.append(fmt.format(v))
+        body.append(cells)
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    lines += ["| " + " | ".join(cells) + " |" for cells in body]
+    return "\n".join(lines)
+
+
+def plot(rows: Sequence[dict[str, object]], path: Path, slo_ttft_s: float,
+         slo_itl_s: float) -> None:
+    """Per-window p95 TTFT, p95 ITL and GPU busy fraction of each run, one panel each."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(3, 1, figsize=(10, 9), sharex=True)
+    for row in rows:
+        wins = row["windows"]  # type: ignore[index]
+        t = [w["start_s"] / 60 for w in wins]  # type: ignore[index]
+        label = str(row["policy"])
+        axes[0].plot(t, [w["ttft_p95_s"] for w in wins], label=label)  # type: ignore[index]
+        axes[1].plot(t, [(w["itl_p95_s"] or 0) * 1000 for w in wins], label=label)  # type: ignore[index]
+        axes[2].plot(t, [w["gpu_busy_frac"] for w in wins], label=label)  # type: ignore[index]
+    axes[0].axhline(slo_ttft_s, color="k", ls="--", lw=0.8)
+    axes[0].set_yscale("log")
+    axes[0].set_ylabel("p95 TTFT (s)")
+    axes[1].axhline(slo_itl_s * 1000, color="k", ls="--", lw=0.8)
+    axes[1].set_ylabel("p95 ITL (ms)")
+    axes[2].set_ylabel("GPU busy fraction")
+    axes[2].set_xlabel("time (min), 60 s windows")
+    axes[0].legend(fontsize=8, ncol=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
