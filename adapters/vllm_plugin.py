@@ -12,10 +12,11 @@ default; `BorrowdScheduler` extends the synchronous `Scheduler`.)
 Requests whose priority is at or past `BORROWD_BATCH_PRIORITY` (default 10, what the proxy
 injects for batch) are batch. In each step they get together at most
 `max(floor, batch_tokens_per_s * recent step time)` tokens (`adapters.engine_budget`), and
-at most `max_batch_seqs` of them run; interactive requests are never held back by the
-plugin. A missing, expired or closed record means zero batch tokens. The record is read off
-the scheduling path by `adapters.store.BudgetWatcher` (a thread: pub/sub push plus a poll
-every `BORROWD_BUDGET_POLL_S`); `schedule()` only reads the newest copy in memory.
+at most `max_batch_seqs` of them run, holding at most `max_batch_kv_tokens` of prompt plus
+maximum output; interactive requests are never held back by the plugin. A missing, expired
+or closed record means zero batch tokens. The record is read off the scheduling path by
+`adapters.store.BudgetWatcher` (a thread: pub/sub push plus a poll every
+`BORROWD_BUDGET_POLL_S`); `schedule()` only reads the newest copy in memory.
 
 Environment: `BORROWD_POOL` (required), `BORROWD_REDIS_URL` (default
 redis://127.0.0.1:6379/0), `BORROWD_BATCH_PRIORITY` (10), `BORROWD_BUDGET_POLL_S` (1.0),
@@ -75,7 +76,11 @@ class BudgetEnforcement:
         self.budget: Budget | None = None
         self.batch_allowance = 0
         self.batch_seq_cap = 0
-        self._granted: dict[str, int] = {}
+        self.batch_kv_cap = 0
+        self._granted: dict[str, int] = {}  # batch tokens granted per request this step
+        self._batch_running = 0  # batch requests running when this step began
+        self._batch_admitted = 0  # waiting batch requests granted tokens this step
+        self._batch_kv_tokens = 0  # prompt + max output of running and admitted batch
 
     def _start_watcher(self) -> BudgetSource:
         from adapters.redis_conn import connect
@@ -101,7 +106,12 @@ class BudgetEnforcement:
             self.budget, self.step_timer.recent_s, self.plugin_config.min_batch_tokens_per_step
         )
         self.batch_seq_cap = batch_seq_cap(self.budget)
+        self.batch_kv_cap = self.budget.max_batch_kv_tokens if self.budget is not None else 0
         self._granted = {}
+        running_batch = [r for r in self.running if self.is_batch(r)]
+        self._batch_running = len(running_batch)
+        self._batch_kv_tokens = sum(_kv_tokens(r) for r in running_batch)
+        self._batch_admitted = 0
         out = super().schedule(*args, **kwargs)
         if self._step_clock is not None and out.total_num_scheduled_tokens > 0:
             self.step_timer.started(self._step_clock())
@@ -124,23 +134,31 @@ class BudgetEnforcement:
         granted = min(num_new_tokens, self._batch_tokens_left(request))
         if granted > 0:
             self._granted[request.request_id] = granted
+            if request.status != RequestStatus.RUNNING:
+                self._batch_admitted += 1
+                self._batch_kv_tokens += _kv_tokens(request)
         return granted
 
     def _batch_tokens_left(self, request: Request) -> int:
-        """Batch tokens `request` may still get in this step (0: skip it this step)."""
-        live = {
-            rid: n for rid, n in self._granted.items()
-            if rid != request.request_id and self.requests[rid].status != RequestStatus.PREEMPTED
-        }
-        if len(live) >= self.batch_seq_cap:
+        """Batch tokens `request` may still get in this step (0: skip it this step).
+
+        Grants to requests preempted later in the same step are given back. A waiting
+        request is admitted only below the sequence cap; the WAITING pass runs only in
+        steps without preemption, so the running count from the step's start holds.
+        """
+        seqs = used = 0
+        for rid, n in self._granted.items():
+            if self.requests[rid].status != RequestStatus.PREEMPTED:
+                seqs += 1
+                used += n
+        if seqs >= self.batch_seq_cap:
             return 0
         if request.status != RequestStatus.RUNNING:
-            running_batch = sum(
-                1 for r in self.running if r.status == RequestStatus.RUNNING and self.is_batch(r)
-            )
-            if running_batch >= self.batch_seq_cap:
+            if self._batch_running + self._batch_admitted >= self.batch_seq_cap:
                 return 0
-        return max(0, self.batch_allowance - sum(live.values()))
+            if self._batch_kv_tokens + _kv_tokens(request) > self.batch_kv_cap:
+                return 0
+        return max(0, self.batch_allowance - used)
 
     def shutdown(self) -> None:
         """Stop the budget watcher, then vLLM's own shutdown."""
@@ -148,6 +166,11 @@ class BudgetEnforcement:
             self._watcher.stop()
             self._watcher = None
         super().shutdown()
+
+
+def _kv_tokens(request: Request) -> int:
+    """KV tokens a request may come to hold: prompt plus maximum output (the gate's measure)."""
+    return request.num_prompt_tokens + request.max_tokens
 
 
 class BorrowdScheduler(BudgetEnforcement, Scheduler):

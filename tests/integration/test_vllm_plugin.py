@@ -33,9 +33,10 @@ class StepClock:
         return self.now_s
 
 
-def _budget(tokens_per_s: float, seqs: int = 8, mode: Mode = Mode.OPEN) -> Budget:
+def _budget(tokens_per_s: float, seqs: int = 8, mode: Mode = Mode.OPEN,
+            kv_tokens: int = 10**7) -> Budget:
     return Budget(pool=POOL, mode=mode, reason="test", batch_tokens_per_s=tokens_per_s,
-                  batch_burst_tokens=0, max_batch_seqs=seqs, max_batch_kv_tokens=10**7,
+                  batch_burst_tokens=0, max_batch_seqs=seqs, max_batch_kv_tokens=kv_tokens,
                   max_batch_output_tokens=1024)
 
 
@@ -152,6 +153,18 @@ def test_batch_sequence_cap(store: BudgetStore) -> None:
         assert len(batch) <= 2
         seen |= batch
     assert len(seen) >= 3  # finished ones make room for the next
+
+
+def test_batch_kv_token_cap(store: BudgetStore) -> None:
+    """A batch request is admitted only while prompt + max output of running batch fits the cap."""
+    _publish(store, _budget(1_000_000.0, kv_tokens=10_000))
+    sched = _plugin()
+    for i in range(3):
+        h.add(sched, f"b{i}", 4000, 10, priority=h.BATCH_PRIORITY, arrival_s=float(i))
+    assert set(h.step(sched)) == {"b0", "b1"}  # 2 x 4010 fit in 10000, a third does not
+    while "b0" in sched.requests or "b1" in sched.requests:
+        assert "b2" not in h.step(sched)
+    assert "b2" in h.step(sched)
 
 
 @pytest.mark.parametrize("budget", [None, _budget(0.0, mode=Mode.CLOSED), _budget(5_000.0)],
