@@ -265,63 +265,88 @@ class Engine:
         self._push_waiting(victim, front=True)
 
     def schedule(self) -> SchedulerOutput:
-        """Choose this step's tokens per request (vLLM V1 order) and advance their progress."""
+        """Choose this step's tokens per request (vLLM V1 order) and advance their progress.
+
+        Progress (`computed_tokens`), the decode KV tokens and the prefill attention pairs
+        are accounted as each request is scheduled, and undone for a request that a later
+        preemption takes back out of this step.
+        """
         cfg = self.config
         bs = cfg.block_size
+        bs_1 = bs - 1
         waiting = self._waiting_count
+        running = self.running
+        n_run = len(running)
         # vLLM applies the long-prefill threshold only when another request could starve.
-        eligible = len(self.running) + waiting[INTERACTIVE] + waiting[BATCH]
-        thr = cfg.long_prefill_token_threshold if eligible > 1 else 0
+        thr = cfg.long_prefill_token_threshold
+        if n_run + waiting[INTERACTIVE] + waiting[BATCH] <= 1:
+            thr = 0
         limit = cfg.max_model_len - 1
         budget = cfg.max_num_batched_tokens
-        running = self.running
         scheduled: list[tuple[Request, int]] = []
+        append = scheduled.append
         preempted: list[Request] = []
         free = self.free_blocks
+        decode_kv = 0
+        pairs = 0
         i = 0
-        while i < len(running) and budget > 0:
+        while i < n_run and budget > 0:
             req = running[i]
-            computed = req.computed_tokens
-            n = req.prompt_tokens + req.output_tokens - computed
-            if 0 < thr < n:
-                n = thr
-            if n > budget:
-                n = budget
-            if n > limit - computed:
-                n = limit - computed
-            if n <= 0:
-                i += 1
-                continue
-            need = (computed + n + bs - 1) // bs - req.blocks
-            victim_is_req = False
-            while need > free:
-                if self._priority:
-                    victim = max(running, key=_preempt_key)
-                    running.remove(victim)
-                    for j, (sreq, sn) in enumerate(scheduled):
-                        if sreq is victim:
-                            del scheduled[j]
-                            budget += sn
-                            i -= 1
-                            break
-                else:
-                    victim = running.pop()
-                self.free_blocks = free
-                self._preempt(victim)
-                free = self.free_blocks
-                preempted.append(victim)
-                if victim is req:
-                    victim_is_req = True
-                    break
-            if victim_is_req:
-                if self._priority:
-                    # vLLM: higher-priority running requests may fit in what it freed.
+            c = req.computed_tokens
+            n = req.prompt_tokens + req.output_tokens - c
+            if n != 1:
+                if 0 < thr < n:
+                    n = thr
+                if n > budget:
+                    n = budget
+            if n > limit - c:
+                n = limit - c
+                if n <= 0:
+                    i += 1
                     continue
-                break
+            need = (c + n + bs_1) // bs - req.blocks
+            if need > free:
+                victim_is_req = False
+                while need > free:
+                    if self._priority:
+                        victim = max(running, key=_preempt_key)
+                        running.remove(victim)
+                        for j, (sreq, sn) in enumerate(scheduled):
+                            if sreq is victim:
+                                del scheduled[j]
+                                budget += sn
+                                before = sreq.computed_tokens - sn
+                                sreq.computed_tokens = before
+                                if sn == 1:
+                                    decode_kv -= before + 1
+                                else:
+                                    pairs -= sn * before + sn * (sn + 1) // 2
+                                i -= 1
+                                break
+                    else:
+                        victim = running.pop()
+                    self.free_blocks = free
+                    self._preempt(victim)
+                    free = self.free_blocks
+                    preempted.append(victim)
+                    if victim is req:
+                        victim_is_req = True
+                        break
+                n_run = len(running)
+                if victim_is_req:
+                    if self._priority:
+                        # vLLM: higher-priority running requests may fit in what it freed.
+                        continue
+                    break
             if need > 0:
                 free -= need
                 req.blocks += need
-            scheduled.append((req, n))
+            req.computed_tokens = c + n
+            if n == 1:
+                decode_kv += c + 1
+            else:
+                pairs += n * c + n * (n + 1) // 2
+            append((req, n))
             budget -= n
             i += 1
 
@@ -338,9 +363,9 @@ class Engine:
                     n = thr
                 if n > budget:
                     n = budget
-                if full and (total + bs - 1) // bs > free:
+                if full and (total + bs_1) // bs > free:
                     break
-                need = (n + bs - 1) // bs
+                need = (n + bs_1) // bs
                 if need > free:
                     break
                 self._pop_waiting()
@@ -349,23 +374,17 @@ class Engine:
                 req.status = RUNNING
                 self._running_count[req.klass] += 1
                 running.append(req)
-                scheduled.append((req, n))
+                req.computed_tokens = n
+                if n == 1:
+                    decode_kv += 1
+                else:
+                    pairs += n * (n + 1) // 2
+                append((req, n))
                 budget -= n
         self.free_blocks = free
 
-        decode_kv = 0
-        pairs = 0
-        counts: dict[str, int] = {}
-        for req, n in scheduled:
-            c = req.computed_tokens
-            if n == 1:
-                decode_kv += c + 1
-            else:
-                pairs += n * c + n * (n + 1) // 2
-            req.computed_tokens = c + n
-            counts[req.request_id] = n
         out = SchedulerOutput(
-            num_scheduled_tokens=counts,
+            num_scheduled_tokens={r.request_id: n for r, n in scheduled},
             total_num_scheduled_tokens=cfg.max_num_batched_tokens - budget,
             preempted_req_ids=tuple(r.request_id for r in preempted),
             decode_kv_tokens=decode_kv,
@@ -400,33 +419,35 @@ class Engine:
         duration = self.step_duration_s(out)
         end = start_s + duration
         emitted: list[Request] = []
+        emit = emitted.append
         first: list[Request] = []
         finished: list[Request] = []
         itl_other: list[float] = []
         steady = 0
-        itok = 0
         btok = 0
         for req, n in out.scheduled:
-            interactive = req.klass == INTERACTIVE
-            if interactive:
-                itok += n
-            else:
+            interactive = req.klass is INTERACTIVE or req.klass == INTERACTIVE
+            if not interactive:
                 btok += n
-            if req.computed_tokens < req.prompt_tokens + req.output_tokens:
+            out_tokens = req.output_tokens
+            if req.computed_tokens != req.prompt_tokens + out_tokens:
                 continue
-            req.output_tokens += 1
-            emitted.append(req)
+            out_tokens += 1
+            req.output_tokens = out_tokens
+            emit(req)
+            last = req.last_token_s
             if req.first_token_s < 0:
                 req.first_token_s = end
                 first.append(req)
             elif interactive:
-                if req.last_token_s == start_s:
+                if last == start_s:
                     steady += 1
                 else:
-                    itl_other.append(end - req.last_token_s)
+                    itl_other.append(end - last)
             req.last_token_s = end
-            if req.output_tokens >= req.max_output_tokens:
+            if out_tokens >= req.max_output_tokens:
                 finished.append(req)
+        itok = out.total_num_scheduled_tokens - btok
         if finished:
             for req in finished:
                 req.status = FINISHED
