@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 import time
 import urllib.error
@@ -198,3 +200,20 @@ def test_redis_loss_fails_closed_then_recovers(stack: Stack) -> None:
     assert stack.request(_batch("after-restart"))[2].strip() == "batch denied: no_budget"
     _publish(stack.redis.extra["url"])
     wait_until(lambda: stack.request(_batch("after"))[0] == 200, 5.0, "batch admitted again")
+
+
+def test_frozen_redis_never_hangs_the_router(stack: Stack) -> None:
+    """Redis frozen (SIGSTOP: connections open, no replies): batch is denied within the
+    decision timeout, chat passes; thawed (SIGCONT): batch is admitted again."""
+    _publish(stack.redis.extra["url"], ttl_ms=60_000)
+    assert stack.request(_batch("before"))[0] == 200
+    os.kill(stack.redis.pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        status, headers, _ = stack.request(_batch("frozen"))
+        assert time.monotonic() - start < 1.5
+        assert (status, headers["X-Borrowd-Reason"]) == (429, "redis_unavailable")
+        assert stack.request(CHAT)[0] == 200
+    finally:
+        os.kill(stack.redis.pid, signal.SIGCONT)
+    wait_until(lambda: stack.request(_batch("thawed"))[0] == 200, 5.0, "batch admitted again")
