@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -27,15 +27,6 @@ from tests.support.servers import (
 
 pytestmark = pytest.mark.integration
 
-# `borrowd gate`, parsed by the ops module alone so that this test does not depend on every
-# other subcommand module importing cleanly.
-BORROWD = [sys.executable, "-c",
-           "import argparse, sys\n"
-           "from controller.cli import ops\n"
-           "parser = argparse.ArgumentParser(prog='borrowd')\n"
-           "ops.register(parser.add_subparsers())\n"
-           "args = parser.parse_args()\n"
-           "sys.exit(args.func(args))\n"]
 POOL = "chat-8b"
 LEASE_MS = 2000
 TTL_MS = 1500
@@ -137,13 +128,15 @@ def _healthy(port: int) -> bool:
 @pytest.fixture
 def stack() -> Iterator[Stack]:
     """The three servers on free ports, stopped by PID afterwards."""
+    borrowd = shutil.which("borrowd")
+    assert borrowd, "the borrowd console script is not installed (pip install -e .)"
     redis_proc = start_redis()
     gate_port = free_port()
     started: list[ServerProcess] = [redis_proc]
     try:
         gate = start_process(
             "borrowd-gate",
-            [*BORROWD, "gate", "--listen", f"127.0.0.1:{gate_port}", "--pool", POOL,
+            [borrowd, "gate", "--listen", f"127.0.0.1:{gate_port}", "--pool", POOL,
              "--redis", redis_proc.extra["url"], "--lease-ms", str(LEASE_MS),
              "--decision-timeout-s", "0.3"],
             gate_port, ready=lambda: _healthy(gate_port))
