@@ -11,7 +11,7 @@ import pytest
 from adapters.gate import Gate
 from adapters.redis_conn import connect
 from adapters.store import BudgetStore
-from controller.cli import ops
+from controller.cli import main, ops
 from models.budget import Budget, Mode
 from models.errors import BorrowdError, InputError
 from tests.support.servers import free_port
@@ -85,3 +85,12 @@ def test_gate_refuses_bad_arguments(extra, message) -> None:
     """`gate` names a bad --listen, --lease-ms or pool before it starts serving."""
     with pytest.raises(InputError, match=message):
         _run(["gate", "--pool", POOL, *extra])
+
+
+def test_borrowd_main_prints_one_line_and_exits_2(capsys) -> None:
+    """Through `borrowd` itself, a dead Redis is one stderr line and exit code 2."""
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    assert main(["stop", "--pool", POOL, "--reason", "x", "--redis", url]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.startswith(f"borrowd: error: Redis at {url}")
