@@ -83,7 +83,11 @@ class Admission:
 
 @dataclass(frozen=True)
 class InFlight:
-    """Batch work in flight in one pool (after reaping expired leases)."""
+    """Batch work in flight in one pool (after reaping expired leases).
+
+    `bucket_tokens` is the token bucket as last written (before refill to now); None before
+    the first admission.
+    """
 
     seqs: int
     kv_tokens: int
