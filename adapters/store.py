@@ -169,8 +169,11 @@ def parse_record(pool: str, fields: dict[str, str], newest_epoch: int, now_s: fl
     return RecordRead(budget, ReadStatus.OK)
 
 
-def _report(pool: str, read: RecordRead) -> RecordRead:
-    if read.status in (ReadStatus.MALFORMED, ReadStatus.FOREIGN_SCHEMA, ReadStatus.FENCED):
+_REPORTED = (ReadStatus.MALFORMED, ReadStatus.FOREIGN_SCHEMA, ReadStatus.FENCED)
+
+
+def _report(pool: str, read: RecordRead, report: bool) -> RecordRead:
+    if report and read.status in _REPORTED:
         log.warning("budget_record_unusable", pool=pool, reason=read.status.value,
                     detail=read.detail)
     return read
@@ -229,13 +232,15 @@ class BudgetStore:
         args = _publish_args(self.keys, "publish", budget, epoch=epoch, ttl_ms=ttl_ms, now_s=now_s)
         return _published(self.pool, epoch, self._publish(keys=self.keys.publish_keys(), args=args))
 
-    def read_record(self, now_s: float) -> RecordRead:
-        """The record and why it is (un)usable; unusable ones are logged as a warning."""
+    def read_record(self, now_s: float, *, report: bool = True) -> RecordRead:
+        """The record and why it is (un)usable; with `report`, a malformed, foreign or fenced
+        record is logged as a warning."""
         with self.client.pipeline(transaction=False) as pipe:
             pipe.hgetall(self.keys.budget)
             pipe.get(self.keys.epoch)
             fields, epoch = pipe.execute()
-        return _report(self.pool, parse_record(self.pool, fields, int(epoch or 0), now_s))
+        return _report(self.pool, parse_record(self.pool, fields, int(epoch or 0), now_s),
+                       report)
 
     def read(self, now_s: float) -> Budget | None:
         """The usable record at `now_s`, or None (absent, expired, malformed, foreign, fenced)."""
@@ -276,13 +281,14 @@ class AsyncBudgetStore:
         reply = await self._publish(keys=self.keys.publish_keys(), args=args)
         return _published(self.pool, epoch, reply)
 
-    async def read_record(self, now_s: float) -> RecordRead:
+    async def read_record(self, now_s: float, *, report: bool = True) -> RecordRead:
         """See `BudgetStore.read_record`."""
         async with self.client.pipeline(transaction=False) as pipe:
             pipe.hgetall(self.keys.budget)
             pipe.get(self.keys.epoch)
             fields, epoch = await pipe.execute()
-        return _report(self.pool, parse_record(self.pool, fields, int(epoch or 0), now_s))
+        return _report(self.pool, parse_record(self.pool, fields, int(epoch or 0), now_s),
+                       report)
 
     async def read(self, now_s: float) -> Budget | None:
         """See `BudgetStore.read`."""
@@ -359,6 +365,9 @@ class _WatchedRecord:
 
     def on_poll(self, read: RecordRead, now_s: float) -> None:
         with self._lock:
+            if read.status is not self.last_status:
+                # Once per change, not once per poll.
+                _report(self.pool, read, report=True)
             self.last_status = read.status
             if read.budget is None:
                 # The store is authoritative: no usable record there means none here.
@@ -405,7 +414,7 @@ class BudgetWatcher:
     def poll_once(self) -> None:
         """Read the store now (also called by the thread every `poll_s`)."""
         now_s = self.clock()
-        self._record.on_poll(self.store.read_record(now_s), now_s)
+        self._record.on_poll(self.store.read_record(now_s, report=False), now_s)
 
     def start(self) -> BudgetWatcher:
         """Start the watching thread; returns self."""
@@ -481,7 +490,7 @@ class AsyncBudgetWatcher:
     async def poll_once(self) -> None:
         """Read the store now (also done by the task every `poll_s`)."""
         now_s = self.clock()
-        self._record.on_poll(await self.store.read_record(now_s), now_s)
+        self._record.on_poll(await self.store.read_record(now_s, report=False), now_s)
 
     async def start(self) -> AsyncBudgetWatcher:
         """Start the watching task; returns self."""

@@ -246,3 +246,18 @@ def test_watcher_supersede_rule(candidate, current, now_s, expected) -> None:
         return _budget().with_envelope(epoch=epoch, seq=seq, issued_at_s=100.0, ttl_ms=3000)
 
     assert supersedes(record(candidate), current and record(current), now_s) is expected
+
+
+def test_watcher_reports_a_bad_record_once_per_change(client) -> None:
+    """Polling the same malformed record again does not log again; a new problem does."""
+    store = BudgetStore(client, POOL)
+    store.publish(_budget(), epoch=1, ttl_ms=3000, now_s=100.0)
+    client.hset(PoolKeys(POOL).budget, "mode", "wide-open")
+    watcher = BudgetWatcher(client, POOL, clock=lambda: 100.5)
+    with structlog.testing.capture_logs() as logs:
+        watcher.poll_once()
+        watcher.poll_once()
+        client.hset(PoolKeys(POOL).budget, "schema", "2")
+        watcher.poll_once()
+    reasons = [e["reason"] for e in logs if e["event"] == "budget_record_unusable"]
+    assert reasons == ["malformed", "foreign_schema"]
