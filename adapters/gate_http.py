@@ -107,7 +107,8 @@ def _decision_headers(admission: Admission) -> dict[str, str]:
         H_LEASE_MS: str(admission.lease_ms),
     }
     if admission.admitted:
-        headers[H_MAX_TOKENS] = str(admission.max_output_tokens)
+        if admission.max_output_tokens > 0:
+            headers[H_MAX_TOKENS] = str(admission.max_output_tokens)
     else:
         retry_ms = max(1, math.ceil(admission.retry_after_s * 1000))
         headers[H_RETRY_AFTER_MS] = str(retry_ms)
@@ -145,8 +146,11 @@ class GateService:
         if klass not in CLASSES:
             raise HeaderError(f"header {H_CLASS} must be interactive or batch, got {klass!r}")
         if klass == "interactive":
-            wanted = request.headers.get(H_MAX_TOKENS)
-            max_tokens = _int_header(request, H_MAX_TOKENS, 1) if wanted else 0
+            # Never block interactive work, not even on a malformed optional header.
+            try:
+                max_tokens = _int_header(request, H_MAX_TOKENS, 1)
+            except HeaderError:
+                max_tokens = 0
             return Admission.interactive(max_tokens)
         gate = self.gate(self._pool(request))
         request_id = _header(request, H_REQUEST_ID)

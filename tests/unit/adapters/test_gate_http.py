@@ -117,3 +117,24 @@ async def test_redis_down_fails_closed_for_batch_open_for_interactive() -> None:
         assert (health.status, (await health.json())["redis"]) == (200, "down")
     finally:
         await client.close()
+
+
+@pytest.mark.parametrize(
+    ("max_tokens", "echoed"),
+    [("4096", "4096"), (None, None), ("lots", None)],
+    ids=["given", "absent", "malformed"],
+)
+async def test_interactive_always_admitted(max_tokens, echoed) -> None:
+    """Interactive is admitted with no Redis at all, even with a missing or bad max tokens;
+    a max tokens header is echoed only when one was given."""
+    client = await _client(f"redis://127.0.0.1:{free_port()}/0")
+    headers = {"X-Borrowd-Class": "interactive"}
+    if max_tokens is not None:
+        headers["X-Borrowd-Max-Tokens"] = max_tokens
+    try:
+        response = await client.get("/auth", headers=headers)
+        assert response.status == 200
+        assert response.headers.get("X-Borrowd-Max-Tokens") == echoed
+        assert response.headers["X-Borrowd-Priority"] == "0"
+    finally:
+        await client.close()
