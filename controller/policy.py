@@ -11,6 +11,7 @@ transition is kept as a `ModeEvent` for the caller to log (`drain_events`).
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -72,8 +73,17 @@ class CapsConfig:
     max_output_tokens: int = field(
         default=1024, metadata={"unit": "tokens", "help": "largest output of one batch request"}
     )
+    hold_s: float = field(
+        default=60.0,
+        metadata={
+            "unit": "s",
+            "help": "caps follow the highest rate of this long (a lower rate drains, not revokes)",
+        },
+    )
 
     def __post_init__(self) -> None:
+        if self.hold_s < 0:
+            raise ConfigError(f"caps.hold_s must be >= 0, got {self.hold_s!r}")
         for name in ("burst_s", "tokens_per_s_per_seq", "kv_residence_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"caps.{name} must be > 0, got {getattr(self, name)!r}")
@@ -131,6 +141,14 @@ class ControllerConfig:
     u_max_tokens_per_s: float = field(
         default=200_000.0, metadata={"unit": "tokens/s", "help": "largest batch budget"}
     )
+    filter_rise_s: float = field(
+        default=5.0,
+        metadata={"unit": "s", "help": "smoothing time constant of a rising latency signal"},
+    )
+    filter_fall_s: float = field(
+        default=15.0,
+        metadata={"unit": "s", "help": "smoothing time constant of a falling latency signal"},
+    )
     pi: PiConfig = field(default_factory=PiConfig, metadata={"unit": "table", "help": "PI law"})
     mpc: MpcConfig = field(
         default_factory=MpcConfig, metadata={"unit": "table", "help": "MPC law"}
@@ -155,7 +173,15 @@ class ControllerConfig:
     def __post_init__(self) -> None:
         if self.law not in LAWS:
             raise ConfigError(f"controller.law must be one of {LAWS}, got {self.law!r}")
-        for name in ("tick_s", "slo_ttft_p95_s", "slo_itl_p95_s", "u_max_tokens_per_s"):
+        positive = (
+            "tick_s",
+            "slo_ttft_p95_s",
+            "slo_itl_p95_s",
+            "u_max_tokens_per_s",
+            "filter_rise_s",
+            "filter_fall_s",
+        )
+        for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"controller.{name} must be > 0, got {getattr(self, name)!r}")
         if not 0 < self.slo_success_rate <= 1:
@@ -172,22 +198,62 @@ class ControllerConfig:
         )
 
 
-def derive_budget(pool: str, mode: Mode, reason: str, u: float, caps: CapsConfig) -> Budget:
-    """The `Budget` for rate `u` in `mode`: caps follow u in open/ramp, all zero otherwise."""
+def derive_budget(
+    pool: str,
+    mode: Mode,
+    reason: str,
+    u: float,
+    caps: CapsConfig,
+    keep: Budget | None = None,
+    u_caps: float | None = None,
+) -> Budget:
+    """The `Budget` for rate `u` in `mode`: caps follow `u_caps` (default u) in open/ramp.
+
+    Otherwise nothing new is admitted; the caps are zero (in-flight batch work is revoked)
+    unless `keep` is given, whose caps are kept so that the work in flight drains instead.
+    """
     if mode not in (Mode.OPEN, Mode.RAMP) or u <= 0:
-        return closed_budget(pool, mode, reason)
+        if keep is None:
+            return closed_budget(pool, mode, reason)
+        return Budget(
+            pool=pool,
+            mode=mode,
+            reason=reason,
+            batch_tokens_per_s=0.0,
+            batch_burst_tokens=0,
+            max_batch_seqs=keep.max_batch_seqs,
+            max_batch_kv_tokens=keep.max_batch_kv_tokens,
+            max_batch_output_tokens=keep.max_batch_output_tokens,
+        )
+    cap_rate = max(u, u_caps if u_caps is not None else u)
     return Budget(
         pool=pool,
         mode=mode,
         reason=reason,
         batch_tokens_per_s=u,
         batch_burst_tokens=max(caps.min_burst_tokens, math.ceil(u * caps.burst_s)),
-        max_batch_seqs=min(caps.max_seqs, max(1, math.ceil(u / caps.tokens_per_s_per_seq))),
+        max_batch_seqs=min(
+            caps.max_seqs, max(1, math.ceil(cap_rate / caps.tokens_per_s_per_seq))
+        ),
         max_batch_kv_tokens=min(
-            caps.max_kv_tokens, max(caps.min_burst_tokens, math.ceil(u * caps.kv_residence_s))
+            caps.max_kv_tokens,
+            max(caps.min_burst_tokens, math.ceil(cap_rate * caps.kv_residence_s)),
         ),
         max_batch_output_tokens=caps.max_output_tokens,
     )
+
+
+def smooth_step(prev: float, raw: float, dt_s: float, rise_s: float, fall_s: float) -> float:
+    """One step of asymmetric exponential smoothing (time constant rise_s up, fall_s down).
+
+    A NaN `prev` starts the filter at `raw`; a NaN `raw` holds `prev`.
+    """
+    if not math.isfinite(raw):
+        return prev
+    if not math.isfinite(prev):
+        return raw
+    tau_s = rise_s if raw > prev else fall_s
+    return prev + (1.0 - math.exp(-dt_s / tau_s)) * (raw - prev)
 
 
 @dataclass(frozen=True)
@@ -224,6 +290,7 @@ class ControllerPolicy:
         self.pi_state = PiState.initial(len(OUTPUTS))
         self.sup_state = SupervisorState()
         self.forecast_state = ForecastState()
+        self.smoothed = (math.nan, math.nan)
         self.prev_ff_tokens_per_s = math.nan
         self.local_gains = self._start_estimators()
         self.mpc_outs = (
@@ -233,6 +300,9 @@ class ControllerPolicy:
         )
         self.mpc_state: MpcState | None = None
         self.events: list[ModeEvent] = []
+        self.last_caps: Budget | None = None
+        self.recent_u: deque[tuple[float, float]] = deque()
+        self.last_success_rate = math.nan
 
     def _plant_outputs(self) -> tuple[str, ...]:
         names = {o.name for o in self.plant.outputs} if self.plant else set()
@@ -299,6 +369,7 @@ class ControllerPolicy:
         dt_s = now_s - self.last_now_s if math.isfinite(self.last_now_s) else self.tick_s
         dt_s = min(max(dt_s, 1e-3), 10 * self.tick_s)
         self.last_now_s = now_s
+        obs = self._smooth(obs, dt_s)
         ys = (obs.ttft_norm(self.slo), obs.itl_norm(self.slo))
         self.forecast_state = forecast_update(
             self.forecast_state, obs.interactive_tokens_per_s, cfg.feedforward
@@ -314,8 +385,41 @@ class ControllerPolicy:
         self._estimate(ys, decision.u)
         self.u_applied = decision.u
         self.events.extend(decision.events)
-        budget = derive_budget(self.pool, decision.mode, decision.reason, decision.u, cfg.caps)
+        keep = None if decision.revoke else self.last_caps
+        self.recent_u.append((now_s, decision.u))
+        while self.recent_u and self.recent_u[0][0] < now_s - cfg.caps.hold_s:
+            self.recent_u.popleft()
+        u_caps = max(u for _, u in self.recent_u) if not decision.revoke else decision.u
+        budget = derive_budget(
+            self.pool, decision.mode, decision.reason, decision.u, cfg.caps, keep, u_caps
+        )
+        self.last_caps = budget if budget.max_batch_seqs > 0 else None
         return Decision(budget=budget, u_law=u_law, events=decision.events)
+
+    def _smooth(self, obs: Observation, dt_s: float) -> Observation:
+        """The observation with its p95s replaced by their asymmetric exponential smoothing.
+
+        A short sliding-window p95 over a few requests is noisy; the smoothing rises faster
+        than it falls, so it errs on the safe side. A window without interactive requests
+        holds the smoothed value; a p95 missing for any other reason stays NaN (failsafe).
+        """
+        cfg = self.config
+        values = []
+        for raw, prev in zip((obs.ttft_p95_s, obs.itl_p95_s), self.smoothed, strict=True):
+            if not math.isfinite(raw):
+                values.append(prev if obs.interactive_requests == 0 else math.nan)
+                continue
+            values.append(smooth_step(prev, raw, dt_s, cfg.filter_rise_s, cfg.filter_fall_s))
+        self.smoothed = tuple(
+            v if math.isfinite(v) else p for v, p in zip(values, self.smoothed, strict=True)
+        )
+        success = obs.success_rate
+        if math.isfinite(success):
+            self.last_success_rate = success
+        elif math.isfinite(obs.interactive_requests):
+            # No request completed in the window: no failure seen; keep the last rate.
+            success = self.last_success_rate if math.isfinite(self.last_success_rate) else 1.0
+        return replace(obs, ttft_p95_s=values[0], itl_p95_s=values[1], success_rate=success)
 
     def _estimate(self, ys: tuple[float, ...], u: float) -> None:
         sched = self.config.schedule

@@ -4,7 +4,9 @@
     ramp     reopening: budget = min(law, ramp), ramp += slew * dt, until the cap or the law binds
     closed   budget 0: entered at once when an SLO burns, KV usage passes its limit or the
              oldest interactive wait passes its limit; left only after every signal has stayed
-             under its (lower) reopen threshold for `quiet_s`, into ramp
+             under its (lower) reopen threshold for `quiet_s`, into ramp. A cut on a p95 under
+             `revoke_factor` x its cut threshold only stops admission (`revoke` false: the
+             in-flight batch work drains); every other cut also revokes in-flight work
     stopped  budget 0 while the operator's stop switch is set; left into closed
     failsafe budget at the floor (0 by default) while any required signal is missing, NaN or
              stale; left into closed
@@ -16,7 +18,7 @@ and every transition as a `ModeEvent` with its reason, for the caller to log.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from models.budget import Mode
 from models.errors import ConfigError
@@ -62,8 +64,13 @@ class SupervisorConfig:
     quiet_s: float = field(
         default=10.0, metadata={"unit": "s", "help": "quiet this long before reopening"}
     )
-    ramp_start_tokens_per_s: float = field(
-        default=0.0, metadata={"unit": "tokens/s", "help": "budget at the start of a ramp"}
+    revoke_factor: float = field(
+        default=2.0,
+        metadata={"unit": "x cut threshold", "help": "a p95 this far over also revokes batch"},
+    )
+    ramp_start_frac: float = field(
+        default=0.5,
+        metadata={"unit": "1", "help": "ramp starts at this fraction of the pre-cut budget"},
     )
     ramp_slew_tokens_per_s2: float = field(
         default=2000.0, metadata={"unit": "tokens/s per s", "help": "ramp rise rate"}
@@ -95,7 +102,12 @@ class SupervisorConfig:
                     f"supervisor.{reopen} ({getattr(self, reopen)!r}) must be > 0 and below "
                     f"supervisor.{cut} ({getattr(self, cut)!r})"
                 )
-        for name in ("quiet_s", "ramp_start_tokens_per_s", "floor_tokens_per_s"):
+        if self.revoke_factor < 1.0 or not 0.0 <= self.ramp_start_frac <= 1.0:
+            raise ConfigError(
+                "supervisor needs revoke_factor >= 1 and ramp_start_frac in [0, 1], got "
+                f"{self.revoke_factor!r}, {self.ramp_start_frac!r}"
+            )
+        for name in ("quiet_s", "floor_tokens_per_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"supervisor.{name} must be >= 0, got {getattr(self, name)!r}")
         for name in ("ramp_slew_tokens_per_s2", "ramp_cap_tokens_per_s", "max_age_s"):
@@ -119,12 +131,14 @@ class ModeEvent:
 
 @dataclass(frozen=True)
 class SupervisorState:
-    """Current mode, since when quiet (NaN: not quiet), the ramp ceiling, last reason."""
+    """Mode, since when quiet (NaN: not quiet), the ramp ceiling (in closed: where the next
+    ramp starts), the last reason, and whether in-flight batch work is revoked."""
 
     mode: Mode = Mode.CLOSED
     quiet_since_s: float = math.nan
     ramp_tokens_per_s: float = 0.0
     reason: str = "start: waiting for a quiet interval"
+    revoke: bool = True
 
 
 @dataclass(frozen=True)
@@ -136,40 +150,63 @@ class SupervisorDecision:
     reason: str
     state: SupervisorState
     events: tuple[ModeEvent, ...]
+    revoke: bool
+
+
+# Quantiles and ratios over interactive requests have no value in a window without any; the
+# source says so with `interactive_requests == 0`, which is not a missing metric.
+PER_REQUEST_SIGNALS = ("ttft_p95_s", "itl_p95_s", "success_rate")
 
 
 def missing_signals(obs: Observation, config: SupervisorConfig) -> list[str]:
-    """Required signals that are NaN, and 'age' when the observation is stale."""
-    missing = [name for name in config.required if not math.isfinite(getattr(obs, name))]
+    """Required signals that are NaN, and 'age' when the observation is stale.
+
+    A per-request signal (p95s, success rate) that is NaN because the window held no
+    interactive request (`interactive_requests == 0`) is not missing.
+    """
+    idle = obs.interactive_requests == 0
+    missing = [
+        name
+        for name in config.required
+        if not math.isfinite(getattr(obs, name)) and not (idle and name in PER_REQUEST_SIGNALS)
+    ]
     if not math.isfinite(obs.age_s) or obs.age_s > config.max_age_s:
         missing.append(f"age {obs.age_s:.1f}s > {config.max_age_s:.1f}s")
     return missing
 
 
-def burning(obs: Observation, slo: Slo, config: SupervisorConfig) -> str:
-    """Why batch must be cut now ('' when nothing burns). NaN signals do not burn here."""
+def burning(obs: Observation, slo: Slo, config: SupervisorConfig) -> tuple[str, bool]:
+    """Why batch must be cut now ('' when nothing burns), and whether to revoke too.
+
+    NaN signals do not burn here (`missing_signals` handles them).
+    """
+    severe = config.revoke_factor
     checks = (
-        (obs.ttft_norm(slo), config.cut_ttft_norm, "p95 TTFT/SLO"),
-        (obs.itl_norm(slo), config.cut_itl_norm, "p95 ITL/SLO"),
-        (obs.kv_usage_frac, config.cut_kv_frac, "KV usage"),
-        (obs.interactive_oldest_wait_s, config.cut_oldest_wait_s, "oldest interactive wait s"),
+        (obs.kv_usage_frac, config.cut_kv_frac, "KV usage", True),
+        (obs.interactive_oldest_wait_s, config.cut_oldest_wait_s, "oldest wait s", True),
+        (obs.ttft_norm(slo), config.cut_ttft_norm, "p95 TTFT/SLO", False),
+        (obs.itl_norm(slo), config.cut_itl_norm, "p95 ITL/SLO", False),
     )
-    for value, limit, label in checks:
+    for value, limit, label, always_revoke in checks:
         if value >= limit:
-            return f"cut: {label} {value:.3g} >= {limit:.3g}"
+            revoke = always_revoke or value >= severe * limit
+            return f"cut: {label} {value:.3g} >= {limit:.3g}", revoke
     if obs.success_rate < slo.success_rate:
-        return f"cut: success rate {obs.success_rate:.4f} < {slo.success_rate:.4f}"
-    return ""
+        return f"cut: success rate {obs.success_rate:.4f} < {slo.success_rate:.4f}", True
+    return "", False
 
 
 def is_quiet(obs: Observation, slo: Slo, config: SupervisorConfig) -> bool:
-    """True when every signal is under its reopen threshold (the lower side of hysteresis)."""
+    """True when every signal is under its reopen threshold (the lower side of hysteresis).
+
+    A per-request signal that is NaN (no interactive request in the window) counts as quiet.
+    """
     return (
-        obs.ttft_norm(slo) < config.reopen_ttft_norm
-        and obs.itl_norm(slo) < config.reopen_itl_norm
+        not obs.ttft_norm(slo) >= config.reopen_ttft_norm
+        and not obs.itl_norm(slo) >= config.reopen_itl_norm
         and obs.kv_usage_frac < config.reopen_kv_frac
         and obs.interactive_oldest_wait_s < config.reopen_oldest_wait_s
-        and obs.success_rate >= slo.success_rate
+        and not obs.success_rate < slo.success_rate
     )
 
 
@@ -190,7 +227,12 @@ def supervise(
     if new_state.mode != state.mode:
         events = (ModeEvent(now_s, state.mode, new_state.mode, new_state.reason),)
     return SupervisorDecision(
-        u=u, mode=new_state.mode, reason=new_state.reason, state=new_state, events=events
+        u=u,
+        mode=new_state.mode,
+        reason=new_state.reason,
+        state=new_state,
+        events=events,
+        revoke=new_state.revoke,
     )
 
 
@@ -207,6 +249,10 @@ def _next(
     closed_since_now = SupervisorState(Mode.CLOSED, math.nan, 0.0, "")
     if stopped:
         return SupervisorState(Mode.STOPPED, math.nan, 0.0, "stopped by operator"), 0.0
+    # Where a ramp after a cut from open or ramp starts: a fraction of the budget before it.
+    restart = config.ramp_start_frac * (u_law if state.mode == Mode.OPEN else 0.0)
+    if state.mode == Mode.RAMP:
+        restart = config.ramp_start_frac * state.ramp_tokens_per_s
     if state.mode == Mode.STOPPED:
         return _with_reason(closed_since_now, "resumed by operator: holding closed"), 0.0
     missing = missing_signals(obs, config)
@@ -215,28 +261,32 @@ def _next(
         return SupervisorState(Mode.FAILSAFE, math.nan, 0.0, reason), config.floor_tokens_per_s
     if state.mode == Mode.FAILSAFE:
         return _with_reason(closed_since_now, "signals back: holding closed"), 0.0
-    burn = burning(obs, slo, config)
+    burn, revoke = burning(obs, slo, config)
     if burn:
-        reason = burn if state.mode != Mode.CLOSED else state.reason
-        return SupervisorState(Mode.CLOSED, math.nan, 0.0, reason), 0.0
+        if state.mode == Mode.CLOSED:
+            revoke = revoke or state.revoke
+            return replace(state, quiet_since_s=math.nan, revoke=revoke), 0.0
+        return SupervisorState(Mode.CLOSED, math.nan, restart, burn, revoke), 0.0
     if state.mode == Mode.CLOSED:
         if not is_quiet(obs, slo, config):
-            return SupervisorState(Mode.CLOSED, math.nan, 0.0, state.reason), 0.0
+            return replace(state, quiet_since_s=math.nan), 0.0
         quiet_since = state.quiet_since_s if math.isfinite(state.quiet_since_s) else now_s
         if now_s - quiet_since < config.quiet_s:
-            return SupervisorState(Mode.CLOSED, quiet_since, 0.0, state.reason), 0.0
-        ramp = config.ramp_start_tokens_per_s
+            return replace(state, quiet_since_s=quiet_since), 0.0
+        ramp = state.ramp_tokens_per_s
         reason = f"reopen: quiet for {now_s - quiet_since:.0f}s"
-        return SupervisorState(Mode.RAMP, math.nan, ramp, reason), max(0.0, min(u_law, ramp))
+        return SupervisorState(Mode.RAMP, math.nan, ramp, reason, False), max(
+            0.0, min(u_law, ramp)
+        )
     if state.mode == Mode.RAMP:
         ramp = state.ramp_tokens_per_s + config.ramp_slew_tokens_per_s2 * dt_s
         if ramp >= config.ramp_cap_tokens_per_s:
-            return SupervisorState(Mode.OPEN, math.nan, 0.0, "ramp reached its cap"), u_law
+            return SupervisorState(Mode.OPEN, math.nan, 0.0, "ramp reached its cap", False), u_law
         if u_law <= ramp:
-            return SupervisorState(Mode.OPEN, math.nan, 0.0, "law below the ramp"), u_law
-        return SupervisorState(Mode.RAMP, math.nan, ramp, state.reason), max(0.0, ramp)
-    return SupervisorState(Mode.OPEN, math.nan, 0.0, state.reason), max(0.0, u_law)
+            return SupervisorState(Mode.OPEN, math.nan, 0.0, "law below the ramp", False), u_law
+        return replace(state, ramp_tokens_per_s=ramp), max(0.0, ramp)
+    return SupervisorState(Mode.OPEN, math.nan, 0.0, state.reason, False), max(0.0, u_law)
 
 
 def _with_reason(state: SupervisorState, reason: str) -> SupervisorState:
-    return SupervisorState(state.mode, state.quiet_since_s, state.ramp_tokens_per_s, reason)
+    return replace(state, reason=reason)

@@ -70,7 +70,7 @@ class PiConfig:
         default=0.6, metadata={"unit": "p95 TTFT / SLO", "help": "TTFT loop setpoint"}
     )
     setpoint_itl_norm: float = field(
-        default=0.8, metadata={"unit": "p95 ITL / SLO", "help": "ITL loop setpoint"}
+        default=0.5, metadata={"unit": "p95 ITL / SLO", "help": "ITL loop setpoint"}
     )
     method: str = field(
         default="simc", metadata={"unit": "simc|imc", "help": "tuning rule from the plant"}
@@ -84,7 +84,7 @@ class PiConfig:
         metadata={"unit": "tokens/s per SLO", "help": "proportional gain when no plant is given"},
     )
     ki_tokens_per_s2: float = field(
-        default=4000.0,
+        default=2500.0,
         metadata={"unit": "tokens/s per SLO-s", "help": "integral gain when no plant is given"},
     )
     decrease_boost: float = field(

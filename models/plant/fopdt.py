@@ -113,5 +113,5 @@ def fit_fopdt(u: np.ndarray, y: np.ndarray, dt_s: float, max_dead_s: float) -> F
         if best is None or fit.nrmse < best.nrmse:
             best = fit
     if best is None:
-        raise InputError("no stable first-order model fits these series (output not driven by u?)")
+        raise InputError("poor fit: no stable first-order model fits (output not driven by u?)")
     return best

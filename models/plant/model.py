@@ -128,7 +128,7 @@ class PlantModel:
 class FitCriteria:
     """What a fit must show before the controller may use it."""
 
-    min_r2: float = field(default=0.5, metadata={"unit": "1", "help": "least simulation R^2"})
+    min_r2: float = field(default=0.4, metadata={"unit": "1", "help": "least simulation R^2"})
     min_u_span_frac: float = field(
         default=0.2,
         metadata={"unit": "1", "help": "least input span (max-min) as a fraction of its max"},

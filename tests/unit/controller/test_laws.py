@@ -1,0 +1,159 @@
+"""Control laws on step tests: PI min-selector and anti-windup, MPC constraints, slack law."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from controller.laws.feedforward import FeedForwardConfig, ForecastState, forecast, forecast_update
+from controller.laws.mpc import MpcConfig, MpcOutput, mpc_advance, mpc_initial_state, mpc_step
+from controller.laws.pi import PiGains, PiLoop, PiState, pi_gains, pi_step
+from controller.laws.slack import SlackConfig, slack_step
+from models.plant.fopdt import FopdtFit
+
+LOOPS = (
+    PiLoop("ttft", 0.6, PiGains(kp=10_000.0, ki_per_s=2_000.0)),
+    PiLoop("itl", 0.8, PiGains(kp=10_000.0, ki_per_s=2_000.0)),
+)
+
+
+def test_min_selector_picks_the_tighter_loop():
+    """The loop with the least room (largest output over setpoint) sets the budget."""
+    state = PiState(errors=(0.0, 0.0))
+    result = pi_step(LOOPS, state, (0.5, 0.95), 20_000.0, 1.0, 0.0, 100_000.0)
+    assert result.selected == 1
+    assert result.u < 20_000.0
+
+
+def test_unselected_loop_does_not_wind_up():
+    """External reset: a loop kept out by the selector for long does not accumulate input."""
+    state = PiState.initial(2)
+    u = 10_000.0
+    for _ in range(200):
+        # TTFT far below its setpoint (its own PI would grow without bound); ITL on setpoint.
+        result = pi_step(LOOPS, state, (0.1, 0.8), u, 1.0, 0.0, 1e9)
+        state, u = result.state, result.u
+    assert u == pytest.approx(10_000.0)
+    # When ITL then rises, the budget falls at once instead of unwinding a stored integral.
+    result = pi_step(LOOPS, state, (0.1, 0.9), u, 1.0, 0.0, 1e9)
+    assert result.u < 10_000.0
+
+
+@pytest.mark.parametrize(
+    ("u_applied", "outputs", "expected"),
+    [(0.0, (1.5, 1.5), 0.0), (50_000.0, (0.0, 0.0), 50_000.0)],
+    ids=["clamped-at-zero", "clamped-at-max"],
+)
+def test_saturation_holds_at_the_bound_without_windup(u_applied, outputs, expected):
+    """At a bound the input stays there, and one tick of opposite error leaves it at once."""
+    state = PiState.initial(2)
+    u = u_applied
+    for _ in range(100):
+        result = pi_step(LOOPS, state, outputs, u, 1.0, 0.0, 50_000.0)
+        state, u = result.state, result.u
+    assert u == expected
+    reverse = (0.0, 0.0) if expected == 0.0 else (1.5, 1.5)
+    moved = pi_step(LOOPS, state, reverse, u, 1.0, 0.0, 50_000.0).u
+    assert moved != expected
+
+
+def test_pi_closed_loop_settles_on_setpoint_without_overshoot_past_slo():
+    """SIMC-tuned PI on a FOPDT plant settles at the setpoint and never crosses the SLO."""
+    gain, tau_s, dead, dt = 1e-5, 5.0, 2, 1.0
+    fit = FopdtFit(gain, tau_s, dead * dt, 0.0, 0.3, dt, 0.0, 1.0)
+    gains = pi_gains(fit, "simc", 0.0, dt)
+    loop = (PiLoop("ttft", 0.6, gains),)
+    a = math.exp(-dt / tau_s)
+    y, u, state, hist = 0.3, 0.0, PiState.initial(1), [0.0] * (dead + 1)
+    ys = []
+    for _ in range(150):
+        result = pi_step(loop, state, (y,), u, dt, 0.0, 1e6)
+        state, u = result.state, result.u
+        hist.append(u)
+        y = a * y + (1 - a) * (0.3 + gain * hist[-2 - dead])
+        ys.append(y)
+    assert ys[-1] == pytest.approx(0.6, abs=0.01)
+    assert max(ys) < 1.0
+
+
+@pytest.mark.parametrize("method", ["simc", "imc"], ids=["simc", "imc"])
+def test_tuning_rules_give_positive_gains_inverse_to_plant_gain(method):
+    """SIMC/IMC gains are positive and halve when the plant gain doubles."""
+    fit = FopdtFit(1e-5, 5.0, 2.0, 0.0, 0.3, 1.0, 0.0, 1.0)
+    double = FopdtFit(2e-5, 5.0, 2.0, 0.0, 0.3, 1.0, 0.0, 1.0)
+    g1, g2 = pi_gains(fit, method, 0.0, 1.0), pi_gains(double, method, 0.0, 1.0)
+    assert g1.kp > 0 and g1.ki_per_s > 0
+    assert g2.kp == pytest.approx(g1.kp / 2)
+
+
+def _mpc_plant():
+    return (MpcOutput("ttft", 1e-5, math.exp(-1 / 5.0), 2, 0.6),)
+
+
+def test_mpc_holds_prediction_under_setpoint_and_maximises_budget():
+    """MPC on its own model converges to the largest budget whose output sits at the setpoint."""
+    outs = _mpc_plant()
+    cfg = MpcConfig(horizon_s=30.0, up_rate_tokens_per_s2=5000.0)
+    state = mpc_initial_state(outs, 0.0)
+    y, u = 0.3, 0.0
+    offset = 0.3
+    for _ in range(200):
+        res = mpc_step(outs, state, (y,), u, np.zeros(30), 0.0, cfg, 1.0, 0.0, 1e6)
+        u = res.u
+        state = mpc_advance(outs, state, u)
+        y = state.model_outputs[0] + offset
+        assert y <= 0.6 + 1e-6
+    assert u == pytest.approx((0.6 - offset) / 1e-5, rel=0.02)
+
+
+def test_mpc_rate_limits_rise_and_cuts_fast():
+    """MPC raises the budget at most at its up rate and cuts when the output is over setpoint."""
+    outs = _mpc_plant()
+    cfg = MpcConfig(up_rate_tokens_per_s2=1000.0, down_rate_tokens_per_s2=20_000.0)
+    state = mpc_initial_state(outs, 10_000.0)
+    up = mpc_step(outs, state, (0.2,), 10_000.0, np.zeros(30), 0.0, cfg, 1.0, 0.0, 1e6)
+    assert up.u == pytest.approx(11_000.0)
+    down = mpc_step(outs, state, (1.2,), 10_000.0, np.zeros(30), 0.0, cfg, 1.0, 0.0, 1e6)
+    assert down.u < 10_000.0
+    assert down.violated
+
+
+def test_mpc_feedforward_cuts_before_latency_moves():
+    """A forecast rise of the interactive rate lowers the budget while the output is unchanged."""
+    outs = _mpc_plant()
+    cfg = MpcConfig()
+    state = mpc_initial_state(outs, 30_000.0)
+    flat = mpc_step(outs, state, (0.6,), 20_000.0, np.full(30, 10_000.0), 1.0, cfg, 1.0, 0, 1e6)
+    rising = np.full(30, 25_000.0)  # the rate has just risen; the output has not moved yet
+    ahead = mpc_step(outs, state, (0.6,), 20_000.0, rising, 1.0, cfg, 1.0, 0, 1e6)
+    assert ahead.u < flat.u
+
+
+def test_forecast_extrapolates_rises_only():
+    """Holt forecast extrapolates a rising rate and holds a falling one at its level."""
+    cfg = FeedForwardConfig(alpha=0.5, beta=0.5)
+    state = ForecastState()
+    for rate in (1000, 2000, 3000, 4000):
+        state = forecast_update(state, rate, cfg)
+    assert forecast(state, 3)[-1] > state.level
+    for rate in (3000, 2000, 1000, 500):
+        state = forecast_update(state, rate, cfg)
+    assert np.all(forecast(state, 3) == state.level)
+
+
+@pytest.mark.parametrize(
+    ("outputs", "u_applied", "expected"),
+    [
+        ((1.1, 0.5), 20_000.0, 0.0),
+        ((0.95, 0.5), 20_000.0, 14_000.0),
+        ((0.8, 0.5), 20_000.0, 20_000.0),
+        ((0.5, 0.5), 20_000.0, 22_000.0),
+        ((math.nan, math.nan), 20_000.0, 20_000.0),
+    ],
+    ids=["over-slo-cut", "low-slack-shrink", "hold", "grow", "unmeasured-hold"],
+)
+def test_slack_law_actions(outputs, u_applied, expected):
+    """The Heracles-style law cuts, shrinks, holds or grows by the slack band."""
+    assert slack_step(outputs, u_applied, SlackConfig(), 0.0, 1e6) == pytest.approx(expected)

@@ -1,0 +1,123 @@
+"""Supervisor transitions, table-driven: cuts, hysteresis, quiet hold, ramp, stop, failsafe."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from controller.supervisor import SupervisorConfig, SupervisorState, supervise
+from models.budget import Mode
+from models.signals import Observation, Slo
+
+SLO = Slo()
+CFG = SupervisorConfig(quiet_s=10.0, ramp_slew_tokens_per_s2=1000.0, ramp_cap_tokens_per_s=5000.0)
+
+
+def obs(**over: float) -> Observation:
+    """A healthy, quiet observation with fields overridden."""
+    base = dict(
+        now_s=0.0,
+        age_s=0.5,
+        ttft_p95_s=0.3,
+        itl_p95_s=0.02,
+        success_rate=1.0,
+        kv_usage_frac=0.5,
+        interactive_queue_depth=0.0,
+        interactive_oldest_wait_s=0.1,
+        interactive_tokens_per_s=1000.0,
+    )
+    base.update(over)
+    return Observation(**base)
+
+
+OPEN = SupervisorState(mode=Mode.OPEN, reason="open")
+RAMP = SupervisorState(mode=Mode.RAMP, ramp_tokens_per_s=2000.0, reason="ramp")
+CLOSED = SupervisorState(mode=Mode.CLOSED, reason="cut")
+
+
+@pytest.mark.parametrize(
+    ("state", "observation", "u_law", "stopped", "mode", "u", "reason"),
+    [
+        (OPEN, obs(), 8000.0, False, Mode.OPEN, 8000.0, "open"),
+        (OPEN, obs(ttft_p95_s=1.05), 8000.0, False, Mode.CLOSED, 0.0, "TTFT"),
+        (OPEN, obs(itl_p95_s=0.06), 8000.0, False, Mode.CLOSED, 0.0, "ITL"),
+        (OPEN, obs(kv_usage_frac=0.98), 8000.0, False, Mode.CLOSED, 0.0, "KV"),
+        (OPEN, obs(interactive_oldest_wait_s=3.0), 8000.0, False, Mode.CLOSED, 0.0, "wait"),
+        (OPEN, obs(success_rate=0.95), 8000.0, False, Mode.CLOSED, 0.0, "success"),
+        (RAMP, obs(ttft_p95_s=1.2), 8000.0, False, Mode.CLOSED, 0.0, "TTFT"),
+        (OPEN, obs(ttft_p95_s=math.nan), 8000.0, False, Mode.FAILSAFE, 0.0, "ttft_p95_s"),
+        (OPEN, obs(age_s=30.0), 8000.0, False, Mode.FAILSAFE, 0.0, "age"),
+        (RAMP, obs(kv_usage_frac=math.nan), 8000.0, False, Mode.FAILSAFE, 0.0, "kv_usage"),
+        (OPEN, obs(), 8000.0, True, Mode.STOPPED, 0.0, "operator"),
+        (SupervisorState(mode=Mode.STOPPED), obs(), 8000.0, False, Mode.CLOSED, 0.0, "resumed"),
+        (SupervisorState(mode=Mode.FAILSAFE), obs(), 8000.0, False, Mode.CLOSED, 0.0, "back"),
+        (RAMP, obs(), 8000.0, False, Mode.RAMP, 3000.0, "ramp"),
+        (RAMP, obs(), 2500.0, False, Mode.OPEN, 2500.0, "law below"),
+        (SupervisorState(mode=Mode.RAMP, ramp_tokens_per_s=4500.0), obs(), 9000.0, False,
+         Mode.OPEN, 9000.0, "cap"),
+        (CLOSED, obs(ttft_p95_s=0.9), 8000.0, False, Mode.CLOSED, 0.0, "cut"),
+        (SupervisorState(mode=Mode.CLOSED, quiet_since_s=-10.0), obs(), 8000.0, False,
+         Mode.RAMP, 0.0, "quiet"),
+        (SupervisorState(mode=Mode.CLOSED, quiet_since_s=-5.0), obs(), 8000.0, False,
+         Mode.CLOSED, 0.0, ""),
+    ],
+    ids=[
+        "open-stays-open",
+        "open-ttft-burn-cuts",
+        "open-itl-burn-cuts",
+        "open-kv-limit-cuts",
+        "open-queue-age-cuts",
+        "open-success-drop-cuts",
+        "ramp-burn-cuts",
+        "nan-signal-failsafe",
+        "stale-failsafe",
+        "ramp-nan-failsafe",
+        "stop-switch",
+        "resume-holds-closed",
+        "failsafe-recovers-to-closed",
+        "ramp-slews-up",
+        "ramp-hands-to-law",
+        "ramp-reaches-cap",
+        "closed-between-thresholds-stays-closed",
+        "closed-quiet-long-enough-ramps",
+        "closed-quiet-too-short-holds",
+    ],
+)
+def test_transition(state, observation, u_law, stopped, mode, u, reason):
+    """Each (mode, signals) pair leads to the expected mode, budget and reason."""
+    decision = supervise(CFG, state, observation, SLO, u_law, 1.0, 0.0, stopped=stopped)
+    assert decision.mode == mode
+    assert decision.u == pytest.approx(u)
+    assert reason in decision.reason
+    assert bool(decision.events) == (mode != state.mode)
+    if decision.events:
+        assert decision.events[0].to_mode == mode
+        assert decision.events[0].reason == decision.reason
+
+
+def test_hysteresis_needs_the_lower_threshold_for_the_whole_quiet_interval():
+    """After a cut, a signal between reopen and cut thresholds restarts the quiet clock."""
+    state = CLOSED
+    for t in range(0, 8):
+        state = supervise(CFG, state, obs(), SLO, 8000.0, 1.0, float(t)).state
+    # A single tick above reopen (0.8) but under the cut (1.0) resets the quiet interval.
+    state = supervise(CFG, state, obs(ttft_p95_s=0.9), SLO, 8000.0, 1.0, 8.0).state
+    assert state.mode == Mode.CLOSED and math.isnan(state.quiet_since_s)
+    modes = []
+    for t in range(9, 22):
+        state = supervise(CFG, state, obs(), SLO, 8000.0, 1.0, float(t)).state
+        modes.append(state.mode)
+    assert modes.index(Mode.RAMP) == 10  # quiet from t=9, reopens at t=19
+
+
+def test_failsafe_never_opens_on_missing_metrics():
+    """With every signal NaN the budget stays at the floor for as long as it lasts."""
+    state = OPEN
+    cfg = replace(CFG, floor_tokens_per_s=0.0)
+    blank = Observation(now_s=0.0, age_s=math.nan)
+    for t in range(50):
+        decision = supervise(cfg, state, blank, SLO, 1e6, 1.0, float(t))
+        state = decision.state
+        assert decision.mode == Mode.FAILSAFE and decision.u == 0.0
