@@ -97,3 +97,21 @@ def test_vllm_engine_abort_frees_kv() -> None:
     assert engine.free_blocks < config.num_gpu_blocks
     assert engine.abort_request("b") is not None
     assert engine.free_blocks == config.num_gpu_blocks and not engine.has_work()
+
+
+@pytest.mark.parametrize("policy", ["priority", "unrestricted"])
+def test_seed_scenario_runs_alike_on_both_cores(policy: str) -> None:
+    """A short `seed` run gives the same figures on the native core and on vLLM's scheduler."""
+    from models.sim.run import run_scenario
+    from models.sim.scenario import get_scenario
+
+    scenario = get_scenario("seed")
+    figures = {}
+    for engine in ("native", "vllm"):
+        summary = run_scenario(scenario, policy, duration_s=60.0, seed=1, rate_scale=0.27,
+                               engine=engine).summary()
+        for key in ("wall_s", "speed"):
+            summary.pop(key)
+        figures[engine] = summary
+    assert figures["vllm"]["interactive"]["requests"] > 0
+    assert figures["vllm"] == figures["native"]
