@@ -14,6 +14,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from models.errors import InputError
 from models.sim.policies import parse_policy
 from models.sim.run import calibrate_rate_scale, load_inputs, run_scenario
 from models.sim.scenario import Scenario
@@ -75,16 +76,27 @@ def run_bench(
     plant_path: str | None = None,
     workers: int = 2,
 ) -> dict[str, object]:
-    """Run the policies (and the static sweep) and return {rows, sweep, rate_scale}."""
+    """Run the policies (and the static sweep) and return {rows, sweep, skipped, ...}.
+
+    With `policies` None: the built-in ones plus each controller policy that can be built
+    (one that cannot, e.g. for want of a plant model, is listed in `skipped` with why).
+    """
     trace, _ = load_inputs(scenario, trace_path)
     scale = calibrate_rate_scale(scenario, trace, engine)
+    plant = Path(plant_path) if plant_path else None
+    skipped: dict[str, str] = {}
     if policies is None:
         policies = list(DEFAULT_POLICIES)
         if controllers_available():
-            policies += list(CONTROLLER_POLICIES)
-
+            for name in CONTROLLER_POLICIES:
+                try:
+                    parse_policy(name, scenario, plant)
+                except InputError as exc:
+                    skipped[name] = str(exc)
+                else:
+                    policies.append(name)
     for name in policies:
-        parse_policy(name, scenario, Path(plant_path) if plant_path else None)
+        parse_policy(name, scenario, plant)
 
     def req(policy: str) -> RunRequest:
         return RunRequest(scenario, policy, duration_s, seed, scale, trace_path, engine, plant_path)
@@ -115,6 +127,7 @@ def run_bench(
         "seed": seed,
         "interactive_rate_scale": scale,
         "rows": rows,
+        "skipped": skipped,
         "sweep": [
             {
                 "batch_tokens_per_s_cap": rate,

@@ -139,6 +139,17 @@ class StepResult:
     itl_other_s: list[float]
     running_interactive: int
     running_batch: int
+    span_steps: int = 1
+    span_step_growth_s: float = 0.0
+
+    def step_durations_s(self) -> list[float]:
+        """Duration of each step this result covers (one, or a decode span's steps)."""
+        k = self.span_steps
+        if k == 1:
+            return [self.duration_s]
+        growth = self.span_step_growth_s
+        first = (self.duration_s - growth * k * (k - 1) / 2) / k
+        return [first + growth * j for j in range(k)]
 
 
 class Engine:
@@ -488,6 +499,115 @@ class Engine:
             if not out.preempted:
                 return None
         return None
+
+    def decode_span(self, start_s: float, until_s: float) -> StepResult | None:
+        """Run, in closed form, the pure-decode steps that start before `until_s`.
+
+        Applies only when nothing can change between those steps: no request waiting,
+        every running request decoding (one token a step) and decoded in the step before,
+        no finish before the span's last step, enough free KV blocks. Step j then lasts
+        `first + growth * j` with `growth = decode_s_per_kv_token * running` (each request
+        attends one more KV token a step). Returns None (run `step()` instead) when it does
+        not apply or fewer than two steps fit; the result is what those steps run one by
+        one would give, with `span_steps` and `span_step_growth_s` set.
+        """
+        waiting = self._waiting_count
+        if waiting[INTERACTIVE] or waiting[BATCH]:
+            return None
+        running = self.running
+        n_run = len(running)
+        cfg = self.config
+        if n_run == 0 or n_run > cfg.max_num_batched_tokens:
+            return None
+        limit = cfg.max_model_len - 1
+        kv = 0
+        max_k = limit
+        for req in running:
+            c = req.computed_tokens
+            out_tokens = req.output_tokens
+            if c != req.prompt_tokens + out_tokens - 1 or req.last_token_s != start_s:
+                return None
+            kv += c + 1
+            rem = req.max_output_tokens - out_tokens
+            if rem < max_k:
+                max_k = rem
+            if limit - c < max_k:
+                max_k = limit - c
+        if max_k < 2:
+            return None
+        for upper, intercept, slope in self._segments:
+            if n_run <= upper:
+                linear = intercept + slope * n_run
+                break
+        d = self.profile.decode_s_per_kv_token
+        first = linear + d * kv
+        growth = d * n_run
+        horizon = until_s - start_s
+        # Steps j = 0..k-1 start at first*j + growth*j*(j-1)/2 < horizon.
+        if growth > 0:
+            b = first - growth / 2
+            j = int((-b + (b * b + 2 * growth * horizon) ** 0.5) / growth)
+        else:
+            j = int(horizon / first)
+        while j > 0 and first * j + growth * j * (j - 1) / 2 >= horizon:
+            j -= 1
+        k = min(max_k, j + 1)
+        if k < 2:
+            return None
+        bs = cfg.block_size
+        bs_1 = bs - 1
+        need = 0
+        for req in running:
+            extra = (req.computed_tokens + k + bs_1) // bs - req.blocks
+            if extra > 0:
+                need += extra
+        if need > self.free_blocks:
+            return None
+        duration = first * k + growth * k * (k - 1) / 2
+        end = start_s + duration
+        finished: list[Request] = []
+        n_inter = 0
+        for req in running:
+            c = req.computed_tokens + k
+            req.computed_tokens = c
+            blocks = (c + bs_1) // bs
+            if blocks > req.blocks:
+                self.free_blocks -= blocks - req.blocks
+                req.blocks = blocks
+            req.output_tokens += k
+            req.last_token_s = end
+            if req.klass == INTERACTIVE:
+                n_inter += 1
+            if req.output_tokens >= req.max_output_tokens:
+                finished.append(req)
+        emitted = list(running)
+        if finished:
+            for req in finished:
+                req.status = FINISHED
+                req.finish_s = end
+                self.free_blocks += req.blocks
+                req.blocks = 0
+                self._running_count[req.klass] -= 1
+                del self.requests[req.request_id]
+            self.running = [r for r in running if r.status == RUNNING]
+        return StepResult(
+            start_s=start_s,
+            duration_s=duration,
+            end_s=end,
+            scheduled_tokens=k * n_run,
+            interactive_tokens=k * n_inter,
+            batch_tokens=k * (n_run - n_inter),
+            emitted=emitted,
+            first_tokens=[],
+            finished=finished,
+            preempted=[],
+            itl_steady=n_inter,
+            itl_other_s=[],
+            running_interactive=self._running_count[INTERACTIVE],
+            running_batch=self._running_count[BATCH],
+            span_steps=k,
+            span_step_growth_s=growth,
+        )
 
 
 def _preempt_key(req: Request) -> tuple[int, float]:

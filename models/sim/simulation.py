@@ -39,7 +39,7 @@ from models.sim.scenario import BACKLOG, Scenario
 from models.sim.trace import Lengths, Trace
 from models.sim.workload import BatchJob, BatchSource, interactive_arrivals
 
-_STEP, _TICK, _WAKE, _HOUSE, _FAIL, _RECOVER, _BATCH_ARRIVAL = range(7)
+_TICK, _WAKE, _HOUSE, _FAIL, _RECOVER, _BATCH_ARRIVAL = range(6)
 INF = math.inf
 
 
@@ -145,6 +145,8 @@ class Simulation:
         self.rec = metrics.Recorder(self.duration_s)
         self.now_s = 0.0
         self._heap: list[tuple[float, int, int, int]] = []
+        self._steps: list[tuple[float, int, int, int]] = []
+        self._spans = all(hasattr(e, "decode_span") for e in self.fleet.engines)
         self._seq = 0
         self._pending: list[StepResult | None] = [None] * scenario.replicas
         self._gen = [0] * scenario.replicas
@@ -176,7 +178,7 @@ class Simulation:
         if res is not None:
             self._pending[r] = res
             self._seq += 1
-            heapq.heappush(self._heap, (res.end_s, self._seq, _STEP, r * 1_000_000 + self._gen[r]))
+            heapq.heappush(self._steps, (res.end_s, self._seq, r, self._gen[r]))
 
     def _apply(self, res: StepResult) -> None:
         """Record a finished step's effects (hot path: keep it lean)."""
@@ -191,9 +193,17 @@ class Simulation:
             rec.batch_tokens_per_s[sec] += res.batch_tokens
             self.batch_computed_tokens += res.batch_tokens
         if res.itl_steady:
-            rec.itl_t.append(end)
-            rec.itl_s.append(res.duration_s)
-            rec.itl_w.append(res.itl_steady)
+            if res.span_steps == 1:
+                rec.itl_t.append(end)
+                rec.itl_s.append(res.duration_s)
+                rec.itl_w.append(res.itl_steady)
+            else:
+                t = res.start_s
+                for d in res.step_durations_s():
+                    t += d
+                    rec.itl_t.append(t)
+                    rec.itl_s.append(d)
+                rec.itl_w.extend([res.itl_steady] * res.span_steps)
         for gap in res.itl_other_s:
             rec.itl_t.append(end)
             rec.itl_s.append(gap)
@@ -446,15 +456,41 @@ class Simulation:
         n_arr = len(arr_t)
         idx = 0
         heap = self._heap
+        steps = self._steps
         pending = self._pending
         gen = self._gen
         engines = self.fleet.engines
         offered = self.rec.interactive_offered_per_s
         prio = sc.interactive_priority
         last_bin = len(offered) - 1
+        spans = self._spans
+        batch_inflight = self._batch_inflight
         while True:
             t_arr = arr_t[idx] if idx < n_arr else INF
             t_ev = heap[0][0] if heap else INF
+            t_step = steps[0][0] if steps else INF
+            if t_step < t_arr and t_step < t_ev:
+                if t_step >= duration:
+                    break
+                t, _, r, g = heapq.heappop(steps)
+                if g != gen[r]:
+                    continue
+                self.now_s = t
+                res = pending[r]
+                pending[r] = None
+                self._apply(res)  # type: ignore[arg-type]
+                if pending[r] is None:
+                    nxt = None
+                    if spans and not batch_inflight:
+                        until = t_arr if t_arr < t_ev else t_ev
+                        nxt = engines[r].decode_span(t, min(until, duration))  # type: ignore[attr-defined]
+                    if nxt is None:
+                        nxt = engines[r].step(t)
+                    if nxt is not None:
+                        pending[r] = nxt
+                        self._seq += 1
+                        heapq.heappush(steps, (nxt.end_s, self._seq, r, g))
+                continue
             if t_arr <= t_ev:
                 if t_arr >= duration:
                     break
@@ -469,20 +505,7 @@ class Simulation:
                 break
             t, _, kind, arg = heapq.heappop(heap)
             self.now_s = t
-            if kind == _STEP:
-                r, g = divmod(arg, 1_000_000)
-                if g != gen[r]:
-                    continue
-                res = pending[r]
-                pending[r] = None
-                self._apply(res)  # type: ignore[arg-type]
-                if pending[r] is None:
-                    nxt = engines[r].step(t)
-                    if nxt is not None:
-                        pending[r] = nxt
-                        self._seq += 1
-                        heapq.heappush(heap, (nxt.end_s, self._seq, _STEP, r * 1_000_000 + g))
-            elif kind == _TICK:
+            if kind == _TICK:
                 assert controller is not None
                 budget = controller.decide(self.observe(sc.pool, t), t)
                 self.publish(budget, t)

@@ -239,3 +239,40 @@ def test_bad_engine_config_is_rejected(field: str, value: object) -> None:
     kw: dict[str, object] = {"num_gpu_blocks": 10_000, "max_model_len": 131072, field: value}
     with pytest.raises(ConfigError, match=field):
         EngineConfig(**kw)  # type: ignore[arg-type]
+
+
+def test_decode_span_equals_steps_one_by_one() -> None:
+    """A closed-form decode span ends where the same steps run one by one end."""
+    engines = [make_engine(), make_engine()]
+    for engine in engines:
+        for i in range(5):
+            engine.add_request(Request(f"r{i}", INTERACTIVE, 100 + 37 * i, 40 + 9 * i, 0.0))
+        res = engine.step(0.0)
+        assert res is not None
+        res = engine.step(res.end_s)  # every request has now decoded in the step before
+        assert res is not None
+    start = res.end_s
+    span = engines[0].decode_span(start, start + 0.2)
+    assert span is not None and span.span_steps > 2
+    now, durations = start, []
+    for _ in range(span.span_steps):
+        one = engines[1].step(now)
+        assert one is not None
+        durations.append(one.duration_s)
+        now = one.end_s
+    assert span.end_s == pytest.approx(now, rel=1e-12)
+    assert span.step_durations_s() == pytest.approx(durations, rel=1e-9)
+    for a, b in zip(engines[0].running, engines[1].running, strict=True):
+        assert (a.computed_tokens, a.output_tokens, a.blocks) == (
+            b.computed_tokens, b.output_tokens, b.blocks)
+    assert engines[0].free_blocks == engines[1].free_blocks
+
+
+def test_decode_span_refuses_when_work_waits() -> None:
+    """No span while a request waits (the next step must admit it)."""
+    engine = make_engine()
+    engine.add_request(Request("a", INTERACTIVE, 100, 50, 0.0))
+    res = engine.step(0.0)
+    assert res is not None
+    engine.add_request(Request("b", INTERACTIVE, 100, 50, 0.0))
+    assert engine.decode_span(res.end_s, res.end_s + 1.0) is None

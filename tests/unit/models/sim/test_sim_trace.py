@@ -1,0 +1,125 @@
+"""Tests of trace loading (Azure CSV and JSONL) and of the workloads built from traces."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from models.errors import InputError
+from models.sim.scenario import BatchWorkload
+from models.sim.trace import Trace, load_lengths, load_trace, traces_dir
+from models.sim.workload import BatchSource, interactive_arrivals
+
+AZURE = """TIMESTAMP,ContextTokens,GeneratedTokens
+2023-11-16 18:15:46.6805900,374,44
+2023-11-16 18:15:50.9951690,396,109
+2023-11-16 18:15:48.0000000,10,5
+"""
+
+JSONL = """{"timestamp": 1000, "input_length": 374, "output_length": 44}
+{"timestamp": 5314.579, "input_length": 396, "output_length": 109}
+
+{"timestamp": 2319.41, "input_length": 10, "output_length": 5}
+"""
+
+
+@pytest.mark.parametrize(("name", "text"), [("t.csv", AZURE), ("t.jsonl", JSONL)],
+                         ids=["azure-csv", "jsonl"])
+def test_trace_formats_parse_to_relative_sorted_arrivals(tmp_path: Path, name: str,
+                                                         text: str) -> None:
+    """Both formats give arrivals relative to the first, sorted, with their token lengths."""
+    path = tmp_path / name
+    path.write_text(text)
+    trace = load_trace(path)
+    assert trace.arrival_s[0] == 0.0
+    assert list(trace.prompt_tokens) == [374, 10, 396]
+    assert list(trace.output_tokens) == [44, 5, 109]
+    assert trace.arrival_s[1] == pytest.approx(1.31941, abs=1e-3)
+    assert trace.arrival_s[2] == pytest.approx(4.314579, abs=1e-3)
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "message"),
+    [
+        ("bad.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,374\n",
+         r"bad\.csv:2: expected 3 fields"),
+        ("bad.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\nyesterday,3,4\n",
+         r"bad\.csv:2: bad TIMESTAMP"),
+        ("bad.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,x,4\n",
+         r"bad\.csv:2: ContextTokens is not a number"),
+        ("bad.csv", "time,in,out\n1,2,3\n", r"bad\.csv:1: expected header"),
+        ("bad.jsonl", '{"timestamp": 1, "input_length": 3, "output_length": 4}\n{oops\n',
+         r"bad\.jsonl:2: not JSON"),
+        ("bad.jsonl", '{"timestamp": 1, "input_length": 3}\n',
+         r"bad\.jsonl:1: missing key 'output_length'"),
+        ("empty.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n", "holds no requests"),
+    ],
+    ids=["short-row", "bad-time", "bad-number", "bad-header", "bad-json", "missing-key",
+         "empty"],
+)
+def test_malformed_trace_names_file_and_line(tmp_path: Path, name: str, text: str,
+                                             message: str) -> None:
+    """A malformed trace raises InputError naming the file and the line."""
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(InputError, match=message):
+        load_trace(path)
+
+
+def test_missing_trace_is_named(tmp_path: Path) -> None:
+    """A missing trace file raises InputError naming the path."""
+    with pytest.raises(InputError, match=r"nope\.csv does not exist"):
+        load_trace(tmp_path / "nope.csv")
+
+
+def test_missing_traces_dir_is_named(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """An unset or wrong traces folder raises InputError naming the path."""
+    monkeypatch.setenv("BORROWD_TRACES_DIR", str(tmp_path / "none"))
+    with pytest.raises(InputError, match="none does not exist"):
+        traces_dir()
+
+
+def test_shared_traces_load() -> None:
+    """The real shared chat trace and summarization lengths load in full."""
+    trace = load_trace(traces_dir() / "azure2023_conv.csv")
+    assert len(trace.arrival_s) == 19366
+    assert 3500 < trace.span_s < 3700
+    lengths = load_lengths(traces_dir() / "arxiv_summarization_lengths.csv")
+    assert len(lengths.prompt_tokens) == 28257
+
+
+def uniform_trace(n: int = 100) -> Trace:
+    """A trace with one 100-token request per second."""
+    return Trace(Path("uniform"), np.arange(n, dtype=float), np.full(n, 100), np.full(n, 10))
+
+
+def test_rate_scale_and_burst_shape_arrivals() -> None:
+    """Arrivals come rate_scale times faster, and multiplier times faster again in a burst."""
+    arr = interactive_arrivals(uniform_trace(), 2.0, 40.0, (10.0, 20.0), 3.0)
+    t = arr.arrival_s
+    assert np.all(np.diff(t) > 0)
+    assert np.count_nonzero(t < 10) == 20
+    assert np.count_nonzero((t >= 10) & (t < 20)) == 60
+    assert np.count_nonzero(t >= 20) == 40  # wraps around the 100 s trace
+
+
+def test_trace_repeats_cyclically() -> None:
+    """A run longer than the scaled trace repeats it, keeping the mean rate."""
+    arr = interactive_arrivals(uniform_trace(), 1.0, 250.0)
+    assert len(arr.arrival_s) == 250
+    assert np.all(np.diff(arr.arrival_s) > 0)
+
+
+def test_batch_source_scales_clips_and_requeues() -> None:
+    """Batch prompts are scaled and clipped, outputs clipped; returned jobs come back first."""
+    lengths = load_lengths(traces_dir() / "arxiv_summarization_lengths.csv")
+    spec = BatchWorkload()
+    src = BatchSource(lengths, spec, np.random.default_rng(3))
+    jobs = [src.next_job() for _ in range(2000)]
+    assert max(j.prompt_tokens for j in jobs) <= 32768
+    assert max(j.output_tokens for j in jobs) <= 1024
+    assert min(j.prompt_tokens for j in jobs) >= 4
+    src.push_front(jobs[5])
+    assert src.next_job() is jobs[5]
