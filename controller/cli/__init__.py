@@ -18,7 +18,9 @@ COMMAND_MODULES: tuple[str, ...] = (
     "controller.cli.sim",
     "controller.cli.ops",
     "controller.cli.daemon",
+    "controller.cli.loadgen",
     "controller.cli.serve",
+    "controller.cli.control",
 )
 
 

@@ -34,21 +34,26 @@ def to_toml(data: dict, prefix: str = "") -> str:
     return text
 
 
+def borrowd_command() -> str:
+    """The `borrowd` command to run: `$BORROWD_TEST_CLI` when set, else the console script."""
+    binary = os.environ.get("BORROWD_TEST_CLI") or shutil.which("borrowd")
+    if binary is None:
+        raise RuntimeError("the borrowd console script is not installed (pip install -e .)")
+    return binary
+
+
 def start_daemon(
     config: dict,
     *,
     holder_id: str,
     env: dict[str, str] | None = None,
     name: str = "borrowd-run",
+    metrics_port: int | None = None,
 ) -> ServerProcess:
-    """`borrowd run --config FILE` with `config` (its metrics port is chosen here).
-
-    The command is the installed `borrowd` console script, or `$BORROWD_TEST_CLI` when set.
-    """
-    binary = os.environ.get("BORROWD_TEST_CLI") or shutil.which("borrowd")
-    if binary is None:
-        raise RuntimeError("the borrowd console script is not installed (pip install -e .)")
-    port = free_port()
+    """`borrowd run --config FILE` with `config`, serving /metrics on `metrics_port`
+    (a free one when None)."""
+    binary = borrowd_command()
+    port = metrics_port or free_port()
     config = {**config, "daemon": {**config.get("daemon", {}),
                                    "metrics_listen": f"127.0.0.1:{port}",
                                    "holder_id": holder_id, "log_level": "info"}}
