@@ -20,7 +20,6 @@ COMMAND_MODULES: tuple[str, ...] = (
     "controller.cli.daemon",
     "controller.cli.loadgen",
     "controller.cli.serve",
-    "controller.cli.control",
 )
 
 
