@@ -99,6 +99,7 @@ def test_vllm_engine_abort_frees_kv() -> None:
     assert engine.free_blocks == config.num_gpu_blocks and not engine.has_work()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["priority", "unrestricted"])
 def test_seed_scenario_runs_alike_on_both_cores(policy: str) -> None:
     """A short `seed` run gives the same figures on the native core and on vLLM's scheduler."""
