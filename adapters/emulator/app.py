@@ -292,9 +292,11 @@ def _error(status: int, message: str, kind: str, field: str | None) -> web.Respo
                         content_type="application/json")
 
 
-async def serve(server: EmulatorServer, host: str, port: int) -> web.AppRunner:
+async def serve(server: EmulatorServer, host: str, port: int,
+                shutdown_timeout_s: float = 5.0) -> web.AppRunner:
     """Start `server` on host:port with handler cancellation (disconnect -> abort)."""
-    runner = web.AppRunner(server.build_app(), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(server.build_app(), handler_cancellation=True, access_log=None,
+                           shutdown_timeout=shutdown_timeout_s)
     await runner.setup()
     site = web.TCPSite(runner, host, port, backlog=1024)
     await site.start()

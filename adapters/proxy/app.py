@@ -92,6 +92,7 @@ class ProxyServer:
         self.batch = BatchRegistry()
         self.session: aiohttp.ClientSession | None = None
         self._background: list[asyncio.Task] = []
+        self._stopped = asyncio.Event()
         self._pending: set[asyncio.Task] = set()
 
     # -- application -------------------------------------------------------------------
@@ -117,17 +118,19 @@ class ProxyServer:
             auto_decompress=False,
         )
         self._background = [
-            asyncio.create_task(watch_revocations(self.gate, self.batch, self._revoked)),
+            asyncio.create_task(watch_revocations(self.gate, self.batch, self._revoked,
+                                                  self._stopped)),
             asyncio.create_task(renew_leases(self.gate, self.batch,
-                                             cfg.admission.lease_ms / 3000.0)),
+                                             cfg.admission.lease_ms / 3000.0, self._stopped)),
         ]
 
     async def _stop(self, _app: web.Application) -> None:
+        self._stopped.set()
         for task in self._background:
             task.cancel()
-        for task in self._background:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        # A Redis call being cancelled may not return promptly (redis-py reconnect logic);
+        # never let that hold the shutdown.
+        await asyncio.wait(self._background, timeout=1.0)
         if self._pending:
             await asyncio.wait(self._pending, timeout=self.config.admission.gate_timeout_s * 2)
         if self.session is not None:
@@ -475,10 +478,12 @@ def _error(status: int, message: str, kind: str, *, field: str | None = None,
                         content_type="application/json", headers=headers)
 
 
-async def serve(server: ProxyServer, host: str, port: int) -> web.AppRunner:
+async def serve(server: ProxyServer, host: str, port: int,
+                shutdown_timeout_s: float = 5.0) -> web.AppRunner:
     """Start `server` on host:port (handler cancellation on, so a client disconnect aborts
     the upstream request); returns the runner to clean up."""
-    runner = web.AppRunner(server.build_app(), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(server.build_app(), handler_cancellation=True, access_log=None,
+                           shutdown_timeout=shutdown_timeout_s)
     await runner.setup()
     site = web.TCPSite(runner, host, port, backlog=1024)
     await site.start()

@@ -71,14 +71,14 @@ class BatchRegistry:
 
 
 async def watch_revocations(gate: GateLike, registry: BatchRegistry,
-                            on_revoked: Callable[[str], None], *, block_ms: int = 1000,
-                            retry_s: float = 0.5) -> None:
-    """Read the revoke stream forever and revoke the named requests served here."""
+                            on_revoked: Callable[[str], None], stopped: asyncio.Event, *,
+                            block_ms: int = 1000, retry_s: float = 0.5) -> None:
+    """Read the revoke stream until `stopped` and revoke the named requests served here."""
     last_id = "$"
-    while True:
+    while not stopped.is_set():
         try:
             last_id, entries = await gate.revocations(last_id, block_ms=block_ms)
-        except GATE_ERRORS as exc:
+        except Exception as exc:  # never let the watcher die: revocation must keep working
             log.warning("revoke stream unreadable, retrying in %.1f s: %r", retry_s, exc)
             await asyncio.sleep(retry_s)
             continue
@@ -87,9 +87,10 @@ async def watch_revocations(gate: GateLike, registry: BatchRegistry,
                 on_revoked(entry.request_id)
 
 
-async def renew_leases(gate: GateLike, registry: BatchRegistry, interval_s: float) -> None:
+async def renew_leases(gate: GateLike, registry: BatchRegistry, interval_s: float,
+                       stopped: asyncio.Event) -> None:
     """Renew the admission lease of every in-flight batch request every `interval_s`."""
-    while True:
+    while not stopped.is_set():
         await asyncio.sleep(interval_s)
         for request_id in list(registry.streams):
             try:
