@@ -35,7 +35,14 @@ REQUIRED_SIGNALS = (
 
 @dataclass(frozen=True)
 class SupervisorConfig:
-    """Cut and reopen thresholds (cut > reopen: hysteresis), quiet hold, ramp, staleness."""
+    """Cut and reopen thresholds (cut > reopen: hysteresis), quiet hold, ramp, staleness.
+
+    The p95s compared here are the policy's smoothed short-window (a few seconds) p95s; the
+    SLO itself is on 60 s windows, so a short excursion past it is not yet a burn. The ITL
+    cut sits at 1.5x: the ITL of a fleet lending its steps to batch prefill jumps from a few
+    ms to a full prefill step once batch holds most steps, and the law backs off from such
+    a jump by itself; the supervisor acts when it does not.
+    """
 
     cut_ttft_norm: float = field(
         default=1.0, metadata={"unit": "p95 TTFT / SLO", "help": "cut at or above"}
@@ -44,7 +51,7 @@ class SupervisorConfig:
         default=0.8, metadata={"unit": "p95 TTFT / SLO", "help": "quiet below"}
     )
     cut_itl_norm: float = field(
-        default=1.0, metadata={"unit": "p95 ITL / SLO", "help": "cut at or above"}
+        default=1.5, metadata={"unit": "p95 ITL / SLO", "help": "cut at or above"}
     )
     reopen_itl_norm: float = field(
         default=0.9, metadata={"unit": "p95 ITL / SLO", "help": "quiet below"}
@@ -62,7 +69,7 @@ class SupervisorConfig:
         default=0.5, metadata={"unit": "s", "help": "quiet when the oldest wait is below"}
     )
     quiet_s: float = field(
-        default=10.0, metadata={"unit": "s", "help": "quiet this long before reopening"}
+        default=5.0, metadata={"unit": "s", "help": "quiet this long before reopening"}
     )
     revoke_factor: float = field(
         default=2.0,
@@ -73,7 +80,7 @@ class SupervisorConfig:
         metadata={"unit": "1", "help": "ramp starts at this fraction of the pre-cut budget"},
     )
     ramp_slew_tokens_per_s2: float = field(
-        default=2000.0, metadata={"unit": "tokens/s per s", "help": "ramp rise rate"}
+        default=5000.0, metadata={"unit": "tokens/s per s", "help": "ramp rise rate"}
     )
     ramp_cap_tokens_per_s: float = field(
         default=60000.0, metadata={"unit": "tokens/s", "help": "ramp ends (open) at this budget"}

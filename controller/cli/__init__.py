@@ -20,6 +20,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "controller.cli.daemon",
     "controller.cli.loadgen",
     "controller.cli.serve",
+    "controller.cli.control",
 )
 
 

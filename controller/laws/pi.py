@@ -84,7 +84,7 @@ class PiConfig:
         metadata={"unit": "tokens/s per SLO", "help": "proportional gain when no plant is given"},
     )
     ki_tokens_per_s2: float = field(
-        default=2500.0,
+        default=4000.0,
         metadata={"unit": "tokens/s per SLO-s", "help": "integral gain when no plant is given"},
     )
     decrease_boost: float = field(

@@ -42,7 +42,7 @@ CLOSED = SupervisorState(mode=Mode.CLOSED, reason="cut")
     [
         (OPEN, obs(), 8000.0, False, Mode.OPEN, 8000.0, "open"),
         (OPEN, obs(ttft_p95_s=1.05), 8000.0, False, Mode.CLOSED, 0.0, "TTFT"),
-        (OPEN, obs(itl_p95_s=0.06), 8000.0, False, Mode.CLOSED, 0.0, "ITL"),
+        (OPEN, obs(itl_p95_s=0.08), 8000.0, False, Mode.CLOSED, 0.0, "ITL"),
         (OPEN, obs(kv_usage_frac=0.98), 8000.0, False, Mode.CLOSED, 0.0, "KV"),
         (OPEN, obs(interactive_oldest_wait_s=3.0), 8000.0, False, Mode.CLOSED, 0.0, "wait"),
         (OPEN, obs(success_rate=0.95), 8000.0, False, Mode.CLOSED, 0.0, "success"),

@@ -35,7 +35,7 @@ def fopdt_response(u: np.ndarray, gain: float, tau_s: float, dead_steps: int, dt
     ids=["tau5-dead2", "tau12-dead4", "fast-halfsecond", "no-dead-time"],
 )
 def test_fopdt_fit_recovers_known_parameters(gain, tau_s, dead_steps, dt_s, noise):
-    """FOPDT least squares recovers gain, time constant and dead time within 10% from noisy PRBS data."""
+    """FOPDT least squares recovers gain, tau and dead time within 10% from noisy PRBS data."""
     u = prbs(0.0, 40_000.0, 1200.0, dt_s, 20.0, seed=3)
     y = fopdt_response(u, gain, tau_s, dead_steps, dt_s)
     y = y + np.random.default_rng(1).normal(0.0, noise, len(y))
@@ -91,7 +91,7 @@ def test_plant_model_json_round_trip(tmp_path: Path):
     path = tmp_path / "plant.json"
     plant.save(path)
     assert PlantModel.load(path) == plant
-    with pytest.raises(InputError, match="missing.json"):
+    with pytest.raises(InputError, match=r"missing\.json"):
         PlantModel.load(tmp_path / "missing.json")
     path.write_text("{]")
     with pytest.raises(InputError, match="not JSON"):

@@ -1,0 +1,73 @@
+"""`borrowd identify` and `borrowd tune` on synthetic plants and bad input."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from controller.cli import main
+from models.plant.excitation import prbs
+from models.plant.fopdt import simulate_fopdt
+from models.plant.model import identify_plant
+
+
+@pytest.fixture
+def plant_file(tmp_path: Path) -> Path:
+    """A plant identified from a synthetic FOPDT experiment, saved as JSON."""
+    u = prbs(0.0, 40_000.0, 600.0, 1.0, 15.0, seed=3)
+    y = simulate_fopdt(u, a=math.exp(-1 / 5.0), gain=1e-5, dead_steps=2, u0=0.0, y0=0.3,
+                       y_init=0.3)
+    plant = identify_plant(
+        u, {"ttft": y, "itl": 0.5 * y + 0.1}, 1.0, interactive_tokens_per_s=1000.0, source="t"
+    )
+    path = tmp_path / "plant.json"
+    plant.save(path)
+    return path
+
+
+def test_tune_prints_gains_margins_and_step_figures(plant_file, tmp_path, capsys):
+    """tune prints a row per output with margins and step figures, plots, writes the gains."""
+    png, toml = tmp_path / "step.png", tmp_path / "gains.toml"
+    rc = main(["tune", "--plant", str(plant_file), "--method", "imc", "--tc", "3",
+               "--plot", str(png), "--write-config", str(toml)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    rows = {
+        line.split()[0]: line.split()
+        for line in out.splitlines()
+        if line.startswith(("ttft ", "itl "))
+    }
+    assert set(rows) == {"ttft", "itl"}
+    gain_margin, phase_margin = float(rows["ttft"][3]), float(rows["ttft"][4])
+    assert gain_margin > 1.5 and 30.0 < phase_margin < 90.0
+    assert png.stat().st_size > 0
+    assert "[controller.pi]" in toml.read_text() and "kp_tokens_per_s" in toml.read_text()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["tune", "--plant", "/nonexistent/plant.json"], "/nonexistent/plant.json"),
+        (["identify", "--prometheus", "http://127.0.0.1:1", "--out", "x.json"], "--pool"),
+        (["identify", "--prometheus", "http://127.0.0.1:1", "--pool", "p", "--start", "yesterday",
+          "--end", "1", "--out", "x.json"], "yesterday"),
+    ],
+    ids=["missing-plant", "prometheus-needs-pool", "bad-start-time"],
+)
+def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
+    """Bad arguments give a one-line error naming the problem and exit code 2."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err
+
+
+def test_identify_refuses_a_flat_experiment(tmp_path, capsys):
+    """An experiment whose budget never moves is refused with the reason, nothing written."""
+    out = tmp_path / "plant.json"
+    rc = main(["identify", "--scenario", "seed", "--u-low", "30000", "--u-high", "30001",
+               "--duration", "120", "--hold", "20", "--out", str(out)])
+    assert rc == 2
+    assert "unusable plant fit" in capsys.readouterr().err
+    assert not out.exists()
