@@ -152,6 +152,34 @@ class StepResult:
         return [first + growth * j for j in range(k)]
 
 
+@dataclass(frozen=True, slots=True)
+class DecodeSpan:
+    """A planned run of `steps` pure-decode steps from `start_s`; step j lasts
+    `first_step_s + growth_s * j`."""
+
+    start_s: float
+    steps: int
+    first_step_s: float
+    growth_s: float
+
+    def end_s(self) -> float:
+        """When the last step ends."""
+        k = self.steps
+        return self.start_s + self.first_step_s * k + self.growth_s * k * (k - 1) / 2
+
+    def steps_started_before(self, t_s: float) -> int:
+        """How many of the steps start before `t_s` (those must run to their end)."""
+        first, growth = self.first_step_s, self.growth_s
+        lo, hi = 0, self.steps
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.start_s + first * mid + growth * mid * (mid - 1) / 2 < t_s:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
+
 class Engine:
     """One replica: vLLM V1 scheduling over a fixed KV block pool, timed by a profile."""
 
@@ -500,16 +528,16 @@ class Engine:
                 return None
         return None
 
-    def decode_span(self, start_s: float, until_s: float) -> StepResult | None:
-        """Run, in closed form, the pure-decode steps that start before `until_s`.
+    def plan_decode_span(self, start_s: float, until_s: float) -> DecodeSpan | None:
+        """Plan, in closed form, the pure-decode steps that end by `until_s`.
 
         Applies only when nothing can change between those steps: no request waiting,
         every running request decoding (one token a step) and decoded in the step before,
         no finish before the span's last step, enough free KV blocks. Step j then lasts
         `first + growth * j` with `growth = decode_s_per_kv_token * running` (each request
-        attends one more KV token a step). Returns None (run `step()` instead) when it does
-        not apply or fewer than two steps fit; the result is what those steps run one by
-        one would give, with `span_steps` and `span_step_growth_s` set.
+        attends one more KV token a step). None when it does not apply or fewer than two
+        steps fit. The plan changes nothing: `commit_decode_span` applies it (or its first
+        steps, when something must happen before its end).
         """
         waiting = self._waiting_count
         if waiting[INTERACTIVE] or waiting[BATCH]:
@@ -543,15 +571,16 @@ class Engine:
         first = linear + d * kv
         growth = d * n_run
         horizon = until_s - start_s
-        # Steps j = 0..k-1 start at first*j + growth*j*(j-1)/2 < horizon.
+        # The first k steps end at first*k + growth*k*(k-1)/2 <= horizon, so an observer at
+        # `until_s` sees them all done, as it would have step by step.
         if growth > 0:
             b = first - growth / 2
-            j = int((-b + (b * b + 2 * growth * horizon) ** 0.5) / growth)
+            k = int((-b + (b * b + 2 * growth * horizon) ** 0.5) / growth)
         else:
-            j = int(horizon / first)
-        while j > 0 and first * j + growth * j * (j - 1) / 2 >= horizon:
-            j -= 1
-        k = min(max_k, j + 1)
+            k = int(horizon / first)
+        while k > 0 and first * k + growth * k * (k - 1) / 2 > horizon:
+            k -= 1
+        k = min(max_k, k)
         if k < 2:
             return None
         bs = cfg.block_size
@@ -563,8 +592,18 @@ class Engine:
                 need += extra
         if need > self.free_blocks:
             return None
+        return DecodeSpan(start_s, k, first, growth)
+
+    def commit_decode_span(self, span: DecodeSpan, steps: int) -> StepResult:
+        """Apply the first `steps` (>= 1) steps of `span`, planned on the current state."""
+        k = steps
+        first, growth = span.first_step_s, span.growth_s
         duration = first * k + growth * k * (k - 1) / 2
-        end = start_s + duration
+        end = span.start_s + duration
+        bs = self.config.block_size
+        bs_1 = bs - 1
+        running = self.running
+        n_run = len(running)
         finished: list[Request] = []
         n_inter = 0
         for req in running:
@@ -591,7 +630,7 @@ class Engine:
                 del self.requests[req.request_id]
             self.running = [r for r in running if r.status == RUNNING]
         return StepResult(
-            start_s=start_s,
+            start_s=span.start_s,
             duration_s=duration,
             end_s=end,
             scheduled_tokens=k * n_run,
@@ -608,6 +647,11 @@ class Engine:
             span_steps=k,
             span_step_growth_s=growth,
         )
+
+    def decode_span(self, start_s: float, until_s: float) -> StepResult | None:
+        """Plan and apply a whole decode span (see `plan_decode_span`); None if none."""
+        span = self.plan_decode_span(start_s, until_s)
+        return None if span is None else self.commit_decode_span(span, span.steps)
 
 
 def _preempt_key(req: Request) -> tuple[int, float]:

@@ -29,7 +29,7 @@ from models.protocols import BudgetPolicy
 from models.signals import Observation
 from models.sim import metrics
 from models.sim.cores import DEFAULT_ENGINE, make_engine
-from models.sim.engine import EngineConfig, StepResult
+from models.sim.engine import DecodeSpan, EngineConfig, StepResult
 from models.sim.fleet import Fleet
 from models.sim.gate import BatchGate
 from models.sim.policies import PolicySpec
@@ -146,7 +146,8 @@ class Simulation:
         self.now_s = 0.0
         self._heap: list[tuple[float, int, int, int]] = []
         self._steps: list[tuple[float, int, int, int]] = []
-        self._spans = all(hasattr(e, "decode_span") for e in self.fleet.engines)
+        self._spans = all(hasattr(e, "plan_decode_span") for e in self.fleet.engines)
+        self._plans: list[DecodeSpan | None] = [None] * scenario.replicas
         self._seq = 0
         self._pending: list[StepResult | None] = [None] * scenario.replicas
         self._gen = [0] * scenario.replicas
@@ -172,13 +173,35 @@ class Simulation:
 
     def _kick(self, r: int, now: float) -> None:
         """Start a step on replica `r` if it is up, idle and has work."""
-        if self._pending[r] is not None or not self.fleet.up[r]:
+        if self._pending[r] is not None or self._plans[r] is not None or not self.fleet.up[r]:
             return
         res = self.fleet.engines[r].step(now)
         if res is not None:
             self._pending[r] = res
             self._seq += 1
             heapq.heappush(self._steps, (res.end_s, self._seq, r, self._gen[r]))
+
+    def _settle(self, r: int, now: float) -> None:
+        """Before replica `r`'s engine is touched at `now`: cut its decode span there.
+
+        The span's steps that started before `now` are applied (as a step in flight would
+        be); the rest are dropped and the replica's next step follows the last of them.
+        """
+        plan = self._plans[r]
+        if plan is None:
+            return
+        self._plans[r] = None
+        done = plan.steps_started_before(now)
+        if done == plan.steps:
+            self._pending[r] = self.fleet.engines[r].commit_decode_span(plan, done)  # type: ignore[attr-defined]
+            return
+        self._gen[r] += 1
+        if done == 0:
+            return
+        res = self.fleet.engines[r].commit_decode_span(plan, done)  # type: ignore[attr-defined]
+        self._pending[r] = res
+        self._seq += 1
+        heapq.heappush(self._steps, (res.end_s, self._seq, r, self._gen[r]))
 
     def _apply(self, res: StepResult) -> None:
         """Record a finished step's effects (hot path: keep it lean)."""
@@ -283,6 +306,7 @@ class Simulation:
             )
             r = self.fleet.route(req)
             self._batch_inflight[req.request_id] = (req, job, prompt + out)
+            self._settle(r, now)
             if not self.fleet.engines[r].add_request(req):
                 raise InputError(f"batch request refused by the engine: {req.error}")
             self._kick(r, now)
@@ -295,6 +319,7 @@ class Simulation:
                 return
             req, job, kv_cost = self._batch_inflight[rid]
             engine = self.fleet.engines[req.replica]
+            self._settle(req.replica, now)
             if engine.abort_request(rid) is None:
                 continue  # it completes in the step now running; its end releases it
             del self._batch_inflight[rid]
@@ -376,6 +401,7 @@ class Simulation:
             self.rec.outcome_ok.append(False)
             return
         r = self.fleet.route(req)
+        self._settle(r, now)
         if not self.fleet.engines[r].add_request(req):
             self.fleet.done(req)
             self.rec.outcome_t.append(now)
@@ -393,6 +419,7 @@ class Simulation:
         ]
         for req in expired:
             del self._waiting_first[req.request_id]
+            self._settle(req.replica, now)
             if self.fleet.engines[req.replica].abort_request(req.request_id) is not None:
                 self.fleet.done(req)
             req.status = ABORTED
@@ -403,6 +430,7 @@ class Simulation:
 
     def _fail(self, r: int, now: float) -> None:
         """Replica `r` goes down: its step in flight completes, then every request is lost."""
+        self._settle(r, now)
         pending = self._pending[r]
         self._pending[r] = None
         self._gen[r] += 1
@@ -464,7 +492,7 @@ class Simulation:
         prio = sc.interactive_priority
         last_bin = len(offered) - 1
         spans = self._spans
-        batch_inflight = self._batch_inflight
+        plans = self._plans
         while True:
             t_arr = arr_t[idx] if idx < n_arr else INF
             t_ev = heap[0][0] if heap else INF
@@ -476,16 +504,23 @@ class Simulation:
                 if g != gen[r]:
                     continue
                 self.now_s = t
-                res = pending[r]
-                pending[r] = None
+                plan = plans[r]
+                if plan is not None:
+                    plans[r] = None
+                    res = engines[r].commit_decode_span(plan, plan.steps)  # type: ignore[attr-defined]
+                else:
+                    res = pending[r]
+                    pending[r] = None
                 self._apply(res)  # type: ignore[arg-type]
-                if pending[r] is None:
-                    nxt = None
-                    if spans and not batch_inflight:
-                        until = t_arr if t_arr < t_ev else t_ev
-                        nxt = engines[r].decode_span(t, min(until, duration))  # type: ignore[attr-defined]
-                    if nxt is None:
-                        nxt = engines[r].step(t)
+                if pending[r] is None and plans[r] is None:
+                    if spans:
+                        plan = engines[r].plan_decode_span(t, t_ev if t_ev < duration else duration)  # type: ignore[attr-defined]
+                        if plan is not None:
+                            plans[r] = plan
+                            self._seq += 1
+                            heapq.heappush(steps, (plan.end_s(), self._seq, r, g))
+                            continue
+                    nxt = engines[r].step(t)
                     if nxt is not None:
                         pending[r] = nxt
                         self._seq += 1
