@@ -36,7 +36,7 @@ def main() -> int:
                                                     else [])
     trace, _ = load_inputs(scenario)
     t0 = time.perf_counter()
-    scale = calibrate_rate_scale(scenario, trace)
+    scale = calibrate_rate_scale(scenario, trace, duration_s=args.duration)
     print(f"scenario {scenario.name}: {scenario.replicas} replicas, {args.duration:g} s "
           f"simulated; rate scale {scale:.4f} (calibration {time.perf_counter() - t0:.1f} s, "
           "cached after the first time)")

@@ -21,7 +21,7 @@ from models.sim.scenario import Scenario
 
 DEFAULT_POLICIES = ("none", "unrestricted", "priority")
 CONTROLLER_POLICIES = ("pi", "mpc", "slack")
-SWEEP_FRACTIONS = (0.03, 0.06, 0.1, 0.15, 0.22, 0.3, 0.4, 0.55)
+SWEEP_FRACTIONS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 REFINE_STEPS = 2
 
 
@@ -82,7 +82,7 @@ def run_bench(
     (one that cannot, e.g. for want of a plant model, is listed in `skipped` with why).
     """
     trace, _ = load_inputs(scenario, trace_path)
-    scale = calibrate_rate_scale(scenario, trace, engine)
+    scale = calibrate_rate_scale(scenario, trace, engine, duration_s)
     plant = Path(plant_path) if plant_path else None
     skipped: dict[str, str] = {}
     if policies is None:
@@ -115,7 +115,7 @@ def run_bench(
                 rates, pool.map(run_one, [req(f"static:{r:g}") for r in rates]), strict=True
             ):
                 sweep_runs[rate] = summary
-            best = _refine(sweep_runs, req, pool)
+            best = _refine(sweep_runs, req, pool, ceiling)
     rows = [results[p] for p in policies if p in results]
     if best is not None:
         best = dict(best)
@@ -139,8 +139,10 @@ def run_bench(
     }
 
 
-def _refine(runs: dict[float, dict[str, object]], req, pool) -> dict[str, object] | None:
-    """Bisect between the best passing rate and the next failing one; best passing run."""
+def _refine(runs: dict[float, dict[str, object]], req, pool,
+            ceiling: float) -> dict[str, object] | None:
+    """Narrow in between the best passing rate and the next failing one (or `ceiling`,
+    what `priority` computes); return the best passing run."""
     for _ in range(REFINE_STEPS):
         passing = [r for r, s in runs.items() if meets_every_window(s)]
         failing = [r for r, s in runs.items() if not meets_every_window(s)]
@@ -149,9 +151,7 @@ def _refine(runs: dict[float, dict[str, object]], req, pool) -> dict[str, object
         else:
             low = max(passing)
             above = [r for r in failing if r > low]
-            if not above:
-                break
-            high = min(above)
+            high = min(above) if above else ceiling
         mids = [round(low + (high - low) * f, -1) for f in (1 / 3, 2 / 3)]
         mids = [m for m in mids if m > 0 and m not in runs]
         for rate, summary in zip(

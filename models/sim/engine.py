@@ -36,12 +36,19 @@ API (all times are in the caller's clock, seconds; the engine keeps no clock of 
     res = engine.step(start_s)                # schedule + update; None when idle
     engine.abort_request(request_id) -> Request | None  # frees its KV at once
     engine.has_work(), engine.kv_usage_frac(), engine.free_blocks
+    span = engine.plan_decode_span(start_s, until_s)   # optional speed-up, see below
+    res = engine.commit_decode_span(span, steps)       # apply its first `steps` steps
     engine.num_running(klass), engine.num_waiting(klass), engine.running, engine.requests
 
 `StepResult` says how long the step took (`duration_s`, `end_s`), which requests emitted a
 token (`emitted`; `first_tokens` for first ones), which finished and which were preempted,
 and aggregates interactive inter-token gaps: `itl_steady` tokens whose gap was exactly this
 step, `itl_other_s` the other gaps (after a stall or a preemption).
+
+Decode spans: when nothing but decoding can happen (no request waiting, every running
+request one token behind), the next k steps are known in closed form; a run loop may plan
+them at once and commit them at their end, or commit only the steps begun when it must add
+or abort a request earlier. The result equals running those steps one by one.
 """
 
 from __future__ import annotations

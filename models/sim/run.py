@@ -1,9 +1,9 @@
 """Running scenarios: load the inputs, find the interactive rate scale, run a policy.
 
 The rate scale makes interactive work alone keep the fleet busy `interactive_load` of the
-time. It is found by secant iterations on short runs (`calibration_s`, no burst, no batch)
-and cached in memory and on disk ($BORROWD_CACHE_DIR, else ~/.cache/borrowd), keyed by
-everything that changes it.
+time over the run (no burst, no batch): it is found by secant iterations on runs of the
+run's length (at most `calibration_s`) and cached in memory and on disk
+($BORROWD_CACHE_DIR, else ~/.cache/borrowd), keyed by everything that changes it.
 """
 
 from __future__ import annotations
@@ -33,12 +33,13 @@ def load_inputs(scenario: Scenario, trace_path: str | Path | None = None) -> tup
     return trace, lengths
 
 
-def busy_fraction(scenario: Scenario, trace: Trace, rate_scale: float, engine: str) -> float:
+def busy_fraction(scenario: Scenario, trace: Trace, rate_scale: float, engine: str,
+                  duration_s: float) -> float:
     """GPU busy fraction of interactive work alone at `rate_scale` (calibration run)."""
     sim = Simulation(
         scenario,
         parse_policy("none", scenario),
-        duration_s=scenario.calibration_s,
+        duration_s=duration_s,
         seed=0,
         trace=trace,
         rate_scale=rate_scale,
@@ -46,17 +47,17 @@ def busy_fraction(scenario: Scenario, trace: Trace, rate_scale: float, engine: s
         with_burst=False,
     )
     res = sim.run()
-    return res.busy_s / (scenario.replicas * scenario.calibration_s)
+    return res.busy_s / (scenario.replicas * duration_s)
 
 
-def _cache_key(scenario: Scenario, trace: Trace, engine: str) -> str:
+def _cache_key(scenario: Scenario, trace: Trace, engine: str, duration_s: float) -> str:
     stat = trace.path.stat()
     parts = [
         str(trace.path.resolve()), str(stat.st_size), str(int(stat.st_mtime)), engine,
         scenario.profile, str(scenario.replicas), str(scenario.max_num_batched_tokens),
         str(scenario.max_num_seqs), str(scenario.block_size),
         str(scenario.long_prefill_token_threshold), scenario.router,
-        str(scenario.interactive_load), str(scenario.calibration_s), "v1",
+        str(scenario.interactive_load), str(duration_s), "v2",
     ]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
 
@@ -88,9 +89,12 @@ def _write_disk_cache(key: str, value: float) -> None:
         return  # a read-only home only costs a recalibration next time
 
 
-def calibrate_rate_scale(scenario: Scenario, trace: Trace, engine: str = DEFAULT_ENGINE) -> float:
-    """Rate scale at which interactive work alone keeps the fleet `interactive_load` busy."""
-    key = _cache_key(scenario, trace, engine)
+def calibrate_rate_scale(scenario: Scenario, trace: Trace, engine: str = DEFAULT_ENGINE,
+                         duration_s: float | None = None) -> float:
+    """Rate scale at which interactive work alone keeps the fleet `interactive_load` busy
+    over a run of `duration_s` (capped at the scenario's `calibration_s`)."""
+    span_s = min(duration_s or scenario.calibration_s, scenario.calibration_s)
+    key = _cache_key(scenario, trace, engine, span_s)
     if key in _memory_cache:
         return _memory_cache[key]
     disk = _read_disk_cache().get(key)
@@ -99,16 +103,16 @@ def calibrate_rate_scale(scenario: Scenario, trace: Trace, engine: str = DEFAULT
         return disk
     target = scenario.interactive_load
     k0 = 1.0
-    b0 = busy_fraction(scenario, trace, k0, engine)
+    b0 = busy_fraction(scenario, trace, k0, engine, span_s)
     k1 = k0 * target / b0
-    b1 = busy_fraction(scenario, trace, k1, engine)
+    b1 = busy_fraction(scenario, trace, k1, engine, span_s)
     for _ in range(CALIBRATION_ITERATIONS):
         if abs(b1 - target) <= CALIBRATION_TOLERANCE or b1 == b0:
             break
         k2 = k1 + (target - b1) * (k1 - k0) / (b1 - b0)
         k2 = min(max(k2, k1 / 4), k1 * 4)
         k0, b0 = k1, b1
-        k1, b1 = k2, busy_fraction(scenario, trace, k2, engine)
+        k1, b1 = k2, busy_fraction(scenario, trace, k2, engine, span_s)
     _memory_cache[key] = k1
     _write_disk_cache(key, k1)
     return k1
@@ -130,7 +134,11 @@ def run_scenario(
         raise InputError(f"duration must be > 0 seconds, got {duration_s!r}")
     spec = parse_policy(policy, scenario, plant_path)
     trace, lengths = load_inputs(scenario, trace_path)
-    scale = rate_scale if rate_scale is not None else calibrate_rate_scale(scenario, trace, engine)
+    scale = (
+        rate_scale
+        if rate_scale is not None
+        else calibrate_rate_scale(scenario, trace, engine, duration_s)
+    )
     sim = Simulation(
         scenario, spec, duration_s=duration_s, seed=seed, trace=trace, rate_scale=scale,
         lengths=lengths, engine=engine,

@@ -93,7 +93,7 @@ class Scenario:
     ttft_timeout_s: float = 30.0
     window_s: float = 60.0
     observe_window_s: float = 5.0
-    calibration_s: float = 600.0
+    calibration_s: float = 3600.0
 
     def __post_init__(self) -> None:
         if self.replicas <= 0:
