@@ -13,6 +13,9 @@ Serves `/v1/completions` and `/v1/chat/completions` (streaming and not), `/v1/mo
 - `stream_options.include_usage` adds the final usage chunk; `continuous_usage_stats` puts
   usage in every chunk, as vLLM does.
 - A client disconnect aborts the request in the engine and frees its KV blocks at once.
+- Extension for latency benchmarks: with `"borrowd_timing": true` every token chunk carries
+  `borrowd_emitted_s` (CLOCK_MONOTONIC when the chunk was written, comparable across
+  processes on one host) and the first one `borrowd_arrived_s` (when the request arrived).
 """
 
 from __future__ import annotations
@@ -191,8 +194,9 @@ class EmulatorServer:
                       max_tokens: int) -> web.StreamResponse:
         options = req.body.get("stream_options") or {}
         continuous = bool(options.get("continuous_usage_stats"))
+        timing = tracked.arrived_s if req.body.get("borrowd_timing") is True else None
         chunks = _ChunkWriter(req, tracked.request.request_id, tracked.request.prompt_tokens,
-                              continuous)
+                              continuous, timing)
         response = web.StreamResponse(status=200, headers={
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
             "X-Request-Id": tracked.request.request_id,
@@ -250,10 +254,11 @@ class _ChunkWriter:
     """Pre-formatted SSE chunks of one stream in vLLM's JSON layout."""
 
     def __init__(self, req: CompletionRequest, request_id: str, prompt_tokens: int,
-                 continuous_usage: bool) -> None:
+                 continuous_usage: bool, timing_arrived_s: float | None) -> None:
         self.chat = req.endpoint is Endpoint.CHAT
         self.prompt_tokens = prompt_tokens
         self.continuous_usage = continuous_usage
+        self.timing_arrived_s = timing_arrived_s
         kind = "chat.completion.chunk" if self.chat else "text_completion"
         self.head = (f'data: {{"id":{json.dumps(request_id)},"object":"{kind}",'
                      f'"created":{int(time.time())},"model":{json.dumps(req.model)},')
@@ -278,6 +283,10 @@ class _ChunkWriter:
         else:
             choice = f'{{"index":0,"text":"{text}","logprobs":null,'
         usage = "," + self._usage(count) if self.continuous_usage else ""
+        if self.timing_arrived_s is not None:
+            usage += f',"borrowd_emitted_s":{time.monotonic()!r}'
+            if count == 1:
+                usage += f',"borrowd_arrived_s":{self.timing_arrived_s!r}'
         return (self.head + '"choices":[' + choice + f'"finish_reason":{reason}}}]'
                 + usage + "}\n\n").encode()
 

@@ -1,8 +1,8 @@
 """`borrowd proxy` and `borrowd emulate`: the vLLM-side servers.
 
 `proxy --config FILE` runs the OpenAI-compatible budget proxy; `emulate --listen HOST:PORT`
-runs the simulator's engine in real time behind an OpenAI-compatible server. Both stop on
-SIGTERM or SIGINT.
+runs the simulator's engine in real time behind an OpenAI-compatible server. Both run on
+uvloop (about half the per-chunk CPU of the default loop) and stop on SIGTERM or SIGINT.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ import argparse
 import asyncio
 import logging
 import signal
+
+import uvloop
 
 from adapters.emulator.app import EmulatorConfig, EmulatorServer
 from adapters.emulator.app import serve as serve_emulator
@@ -100,7 +102,7 @@ def run_proxy(args: argparse.Namespace) -> int:
             await runner.cleanup()
             await client.aclose()
 
-    asyncio.run(main())
+    uvloop.run(main())
     return 0
 
 
@@ -128,5 +130,5 @@ def run_emulate(args: argparse.Namespace) -> int:
         finally:
             await runner.cleanup()
 
-    asyncio.run(main())
+    uvloop.run(main())
     return 0

@@ -1,0 +1,94 @@
+"""SSE splitting and the stream tally: tokens, text so far, usage, resumable endings."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from adapters.proxy.openai import Endpoint
+from adapters.proxy.sse import PREEMPTED, StreamTally, event_data, split_events
+
+
+def _chat_chunk(text: str | None, finish: str | None = None, usage: dict | None = None) -> bytes:
+    delta = {} if text is None else {"content": text}
+    chunk = {"id": "c1", "created": 5, "model": "m",
+             "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+    if usage is not None:
+        chunk["usage"] = usage
+    return json.dumps(chunk).encode()
+
+
+@pytest.mark.parametrize(
+    ("stream", "events", "rest"),
+    [
+        (b"data: a\n\ndata: b\n\n", [b"data: a\n\n", b"data: b\n\n"], b""),
+        (b"data: a\n\ndata: b", [b"data: a\n\n"], b"data: b"),
+        (b"data: a", [], b"data: a"),
+        (b": ping\n\ndata: x\n\n", [b": ping\n\n", b"data: x\n\n"], b""),
+    ],
+    ids=["two-complete", "one-partial", "none-complete", "comment"],
+)
+def test_split_events_keeps_partial_tail(stream: bytes, events: list[bytes], rest: bytes) -> None:
+    """Only complete events leave the buffer; a partial one waits for more bytes."""
+    buffer = bytearray(stream)
+    assert split_events(buffer) == events
+    assert bytes(buffer) == rest
+
+
+def test_event_data_reads_the_data_line() -> None:
+    """The payload of the data line, None for a comment."""
+    assert event_data(b"data: {\"a\":1}\n\n") == b'{"a":1}'
+    assert event_data(b": keep-alive\n\n") is None
+
+
+def test_tally_counts_tokens_text_and_usage() -> None:
+    """Token chunks are counted, texts joined, upstream usage preferred when present."""
+    tally = StreamTally(Endpoint.CHAT)
+    assert tally.observe(_chat_chunk("")) == (False, False)
+    assert tally.observe(_chat_chunk(" a")) == (True, False)
+    assert tally.observe(_chat_chunk(" b", usage={"prompt_tokens": 9,
+                                                  "completion_tokens": 2})) == (True, False)
+    assert tally.text() == " a b"
+    assert tally.output_tokens == 2
+    usage_only = json.dumps({"id": "c1", "choices": [], "usage": {
+        "prompt_tokens": 9, "completion_tokens": 3}}).encode()
+    assert tally.observe(usage_only) == (False, True)
+    assert tally.output_tokens == 3
+    assert tally.observe(b"[DONE]") == (False, False)
+    assert tally.done
+
+
+def test_preempted_chunk_is_resumable() -> None:
+    """The final chunk of a revoked stream carries preempted, the text so far and usage."""
+    tally = StreamTally(Endpoint.COMPLETIONS)
+    for text in (" x", " y"):
+        tally.observe(json.dumps({"id": "r", "choices": [{"index": 0, "text": text,
+                                                          "finish_reason": None}]}).encode())
+    raw = tally.preempted_chunk("req", "m", prompt_tokens=11, reason="revoked: cut")
+    first, done = raw.split(b"\n\n")[:2]
+    chunk = json.loads(first[len(b"data: "):])
+    assert done == b"data: [DONE]"
+    choice = chunk["choices"][0]
+    assert (choice["finish_reason"], choice["borrowd_text"], choice["text"]) == (
+        PREEMPTED, " x y", "")
+    assert choice["borrowd_reason"] == "revoked: cut"
+    assert chunk["usage"] == {"prompt_tokens": 11, "completion_tokens": 2, "total_tokens": 13}
+
+
+@pytest.mark.parametrize(
+    ("finish", "reason", "want"),
+    [("length", "", "length"), (None, "revoked: cut", PREEMPTED), ("stop", "revoked", "stop")],
+    ids=["finished", "cut-midway", "finished-before-cut"],
+)
+def test_completion_body_assembled_from_stream(finish: str | None, reason: str,
+                                               want: str) -> None:
+    """A non-streaming body from the stream: finished choices keep their reason."""
+    tally = StreamTally(Endpoint.CHAT)
+    tally.observe(_chat_chunk(" hi", finish=finish))
+    body = json.loads(tally.completion_body("req", "m", 4, preempted_reason=reason))
+    choice = body["choices"][0]
+    assert body["object"] == "chat.completion"
+    assert choice["message"] == {"role": "assistant", "content": " hi"}
+    assert choice["finish_reason"] == want
+    assert body["usage"]["completion_tokens"] == 1
