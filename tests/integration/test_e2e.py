@@ -212,8 +212,17 @@ def test_end_to_end(tmp_path: Path) -> None:
         _wait(lambda: _admits(gate, next(probes)), 20, "batch admitted under the new leader")
         daemon_b.kill(signal.SIGKILL)
         killed_s = time.time()
-        _wait(lambda: not _admits(gate, next(probes)), TTL_MS / 1000 + 2, "batch to stop")
-        batch_stopped_after_s = time.time() - killed_s
+        last_admitted_s, last_reason = 0.0, ""
+        while time.time() - killed_s < TTL_MS / 1000 + 1.5:
+            probe = f"e2e-probe-{next(probes)}"
+            admission = gate.admit(probe, prompt_tokens=100, max_output_tokens=10)
+            if admission.admitted:
+                gate.release(probe, output_tokens=0)
+                last_admitted_s = time.time() - killed_s
+            last_reason = admission.reason
+            time.sleep(0.05)
+        batch_stopped_after_s = last_admitted_s
+        assert last_reason in ("no_budget", "stale"), last_reason
 
         # A fresh daemon (on the dead one's metrics port) leads once the lease lapsed.
         daemon_c = start_daemon(config, holder_id="c", metrics_port=daemon_ports[0],
@@ -302,17 +311,17 @@ def test_end_to_end(tmp_path: Path) -> None:
         "takeover_s": takeover_s,
         "takeover_epoch": [old_epoch, taken.epoch],
         "failsafe_after_prometheus_down_s": failsafe_after_s,
-        "batch_stopped_after_sigkill_s": batch_stopped_after_s,
+        "last_batch_admitted_after_sigkill_s": batch_stopped_after_s,
         "loadgen": summary,
     }
     print("e2e figures:", json.dumps(figures, indent=1, sort_keys=True))
 
     assert opened_at.size and opened_at[0] < burst_start
     assert pre_burst_budget.max() > 0
-    assert cut_after_s <= 15.0 and cut_ticks_after_seen <= 5, figures
+    assert cut_after_s <= 15.0 and cut_ticks_after_seen <= 8, figures
     assert ttft_run_p95_s <= SLO_TTFT_S and itl_run_p95_s <= SLO_ITL_S, figures
     assert batch_done > 0 and batch_tokens > 0 and summary["batch_completed"] > 0, figures
     assert summary["interactive_success_rate"] >= 0.99, figures
     assert takeover_s <= TTL_MS / 1000 + 4 * TICK_S
     assert failsafe_after_s <= 5.0 + 2 * TICK_S
-    assert batch_stopped_after_s <= TTL_MS / 1000 + 0.3, figures
+    assert batch_stopped_after_s <= TTL_MS / 1000 + 0.1, figures
