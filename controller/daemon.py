@@ -19,6 +19,7 @@ from dataclasses import dataclass, fields
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
+from wsgiref.simple_server import WSGIServer
 
 import redis
 import structlog
@@ -592,7 +593,7 @@ def build_daemon(
     )
 
 
-def serve_metrics(listen: str, registry: CollectorRegistry):
+def serve_metrics(listen: str, registry: CollectorRegistry) -> WSGIServer:
     """Serve `registry` at http://listen/metrics in a thread; the server (to shut down)."""
     host, _, port = listen.rpartition(":")
     server, _thread = start_http_server(int(port), addr=host.strip("[]") or "0.0.0.0",
