@@ -282,7 +282,12 @@ class ProxyServer:
                     return await self._collect(resp, ex, batch_stream, max_tokens)
                 return await self._passthrough(resp, ex)
             finally:
-                resp.close()
+                # A fully read response returns its keep-alive connection to the pool; any
+                # other ending drops the connection, which makes vLLM abort the request.
+                if resp.content.at_eof() and not (batch_stream and batch_stream.revoked):
+                    resp.release()
+                else:
+                    resp.close()
                 UpstreamPool.release(upstream)
         except asyncio.CancelledError:
             ex.outcome = "client_disconnect"
@@ -348,8 +353,7 @@ class ProxyServer:
         if tally.done:
             clamped = (max_tokens is not None and ex.requested_max_tokens is not None
                        and max_tokens < ex.requested_max_tokens)
-            ex.outcome = ("truncated" if clamped and "length" in tally.finish_reasons.values()
-                          else "success")
+            ex.outcome = "truncated" if clamped and tally.saw_length else "success"
             return ""
         if batch_stream is not None and batch_stream.revoked:
             ex.outcome = "revoked"
@@ -367,7 +371,7 @@ class ProxyServer:
             "X-Request-Id": ex.request_id, CLASS_HEADER: klass,
         })
         await response.prepare(request)
-        tally = ex.tally = StreamTally(req.endpoint)
+        tally = ex.tally = StreamTally(req.endpoint, keep_payloads=batch_stream is not None)
         strip_usage = not req.include_usage
         clock = self.clock
         metrics = self.metrics
@@ -419,7 +423,7 @@ class ProxyServer:
                        batch_stream: BatchStream | None, max_tokens: int | None) -> web.Response:
         req = ex.request
         klass = ex.request_class
-        tally = ex.tally = StreamTally(req.endpoint)
+        tally = ex.tally = StreamTally(req.endpoint, keep_payloads=True)
         buffer = bytearray()
         failure = ""
         first = True

@@ -1,8 +1,8 @@
 """Server-sent events of OpenAI streaming responses: split, tally, and the resumable end.
 
-The proxy forwards upstream events verbatim and reads each `data:` payload once for what it
-needs: whether it carries a token (TTFT/ITL), the text so far per choice (for a revoked
-stream's final chunk), the finish reasons and the latest usage.
+The proxy forwards upstream events verbatim and scans each `data:` payload's bytes for what
+the per-chunk path needs (does it carry a token, for TTFT/ITL; is it the usage chunk); the
+text so far, finish reasons and usage are parsed from JSON only when asked for.
 """
 
 from __future__ import annotations
@@ -37,95 +37,165 @@ def event_data(event: bytes) -> bytes | None:
     return None
 
 
+_TOKEN_MARKERS = {
+    Endpoint.CHAT: (b'"content":"', b'"content": "', b'"reasoning_content":"',
+                    b'"reasoning_content": "', b'"reasoning":"', b'"reasoning": "'),
+    Endpoint.COMPLETIONS: (b'"text":"', b'"text": "'),
+}
+_QUOTE = ord('"')
+
+
+def _spaced(compact: bytes) -> tuple[bytes, bytes]:
+    """A `"key":value` needle and its `"key": value` form (vLLM writes compact JSON)."""
+    return compact, compact.replace(b'":', b'": ', 1)
+
+
+_USAGE = _spaced(b'"usage":{')
+_NO_CHOICES = _spaced(b'"choices":[]')
+_LENGTH = _spaced(b'"finish_reason":"length"')
+_TOOL_CALL = _spaced(b'"tool_calls":[{')
+
+
+def _contains(payload: bytes, needles: tuple[bytes, bytes]) -> bool:
+    return needles[0] in payload or needles[1] in payload
+
+
+def _carries_token(payload: bytes, markers: tuple[bytes, ...]) -> bool:
+    """True when a chunk has a non-empty content/reasoning/text string or a tool call.
+
+    Byte checks, no JSON parse: a string value's own quotes are escaped in JSON, so a
+    marker only matches a real key.
+    """
+    for marker in markers:
+        start = payload.find(marker)
+        while start >= 0:
+            after = start + len(marker)
+            if after < len(payload) and payload[after] != _QUOTE:
+                return True
+            start = payload.find(marker, after)
+    return _contains(payload, _TOOL_CALL)
+
+
 @dataclass
 class StreamTally:
     """What a proxied stream has carried so far.
 
+    The per-chunk path (`observe`) only scans bytes; JSON is parsed lazily: the latest usage
+    chunk when the token count is asked for, and every kept payload (batch streams keep
+    them) when the text so far is needed for a resumable ending or an assembled response.
     `output_tokens` is the upstream's own count when it reports usage (vLLM's
     `continuous_usage_stats`), else the number of token-carrying chunks.
     """
 
     endpoint: Endpoint
-    texts: dict[int, list[str]] = field(default_factory=dict)
-    finish_reasons: dict[int, str | None] = field(default_factory=dict)
+    keep_payloads: bool = False
+    payloads: list[bytes] = field(default_factory=list)
     chunks_with_tokens: int = 0
-    usage: dict[str, Any] | None = None
-    response_id: str | None = None
-    model: str | None = None
-    created: int | None = None
+    saw_length: bool = False
     done: bool = False
+    _usage_payload: bytes | None = None
+    _usage: dict[str, Any] | None = None
+    _parsed: tuple[dict[int, str], dict[int, str | None], dict[str, Any]] | None = None
 
     def observe(self, payload: bytes) -> tuple[bool, bool]:
         """Tally one `data:` payload; return (carries a token, is a usage-only chunk)."""
         if payload == DONE:
             self.done = True
             return False, False
-        try:
-            chunk = json.loads(payload)
-        except ValueError:
-            return False, False
-        if not isinstance(chunk, dict):
-            return False, False
-        if self.response_id is None:
-            self.response_id = chunk.get("id")
-            self.model = chunk.get("model")
-            self.created = chunk.get("created")
-        usage = chunk.get("usage")
-        if usage:
-            self.usage = usage
-        choices = chunk.get("choices") or ()
-        has_token = False
-        chat = self.endpoint is Endpoint.CHAT
-        for choice in choices:
-            index = choice.get("index", 0)
-            if chat:
-                delta = choice.get("delta") or {}
-                text = delta.get("content")
-                if delta.get("tool_calls"):
-                    has_token = True
-            else:
-                text = choice.get("text")
-            if text:
-                has_token = True
-                self.texts.setdefault(index, []).append(text)
-            reason = choice.get("finish_reason")
-            if reason is not None or index not in self.finish_reasons:
-                self.finish_reasons[index] = reason
+        if self.keep_payloads:
+            self.payloads.append(payload)
+            self._parsed = None
+        has_token = _carries_token(payload, _TOKEN_MARKERS[self.endpoint])
         if has_token:
             self.chunks_with_tokens += 1
-        return has_token, not choices and usage is not None
+        usage_only = False
+        if _contains(payload, _USAGE):
+            self._usage_payload = payload
+            self._usage = None
+            usage_only = _contains(payload, _NO_CHOICES)
+        if _contains(payload, _LENGTH):
+            self.saw_length = True
+        return has_token, usage_only
+
+    @property
+    def usage(self) -> dict[str, Any] | None:
+        """The latest usage object the upstream sent, if any."""
+        if self._usage is None and self._usage_payload is not None:
+            try:
+                usage = json.loads(self._usage_payload).get("usage")
+            except (ValueError, AttributeError):
+                usage = None
+            self._usage = usage if isinstance(usage, dict) else None
+            self._usage_payload = None
+        return self._usage
 
     @property
     def output_tokens(self) -> int:
         """Output tokens generated so far."""
-        if self.usage and isinstance(self.usage.get("completion_tokens"), int):
-            return int(self.usage["completion_tokens"])
+        usage = self.usage
+        if usage and isinstance(usage.get("completion_tokens"), int):
+            return int(usage["completion_tokens"])
         return self.chunks_with_tokens
 
+    def _parse(self) -> tuple[dict[int, str], dict[int, str | None], dict[str, Any]]:
+        if self._parsed is not None:
+            return self._parsed
+        texts: dict[int, list[str]] = {}
+        reasons: dict[int, str | None] = {}
+        envelope: dict[str, Any] = {}
+        chat = self.endpoint is Endpoint.CHAT
+        for payload in self.payloads:
+            try:
+                chunk = json.loads(payload)
+            except ValueError:
+                continue
+            if not isinstance(chunk, dict):
+                continue
+            if not envelope:
+                envelope = {k: chunk.get(k) for k in ("id", "model", "created")}
+            for choice in chunk.get("choices") or ():
+                index = choice.get("index", 0)
+                text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+                if text:
+                    texts.setdefault(index, []).append(text)
+                reason = choice.get("finish_reason")
+                if reason is not None or index not in reasons:
+                    reasons[index] = reason
+        self._parsed = ({i: "".join(t) for i, t in texts.items()}, reasons, envelope)
+        return self._parsed
+
+    @property
+    def finish_reasons(self) -> dict[int, str | None]:
+        """Finish reason per choice index (None while unfinished); needs kept payloads."""
+        return self._parse()[1]
+
     def text(self, index: int = 0) -> str:
-        """The text generated so far for choice `index`."""
-        return "".join(self.texts.get(index, ()))
+        """The text generated so far for choice `index`; needs kept payloads."""
+        return self._parse()[0].get(index, "")
 
     def usage_so_far(self, prompt_tokens_estimate: int) -> dict[str, int]:
         """Usage object of what was generated so far (upstream's prompt count when known)."""
         prompt = prompt_tokens_estimate
-        if self.usage and isinstance(self.usage.get("prompt_tokens"), int):
-            prompt = int(self.usage["prompt_tokens"])
+        usage = self.usage
+        if usage and isinstance(usage.get("prompt_tokens"), int):
+            prompt = int(usage["prompt_tokens"])
         output = self.output_tokens
         return {"prompt_tokens": prompt, "completion_tokens": output,
                 "total_tokens": prompt + output}
 
     def choice_indexes(self) -> list[int]:
         """Every choice index seen, or [0] when none was."""
-        return sorted(set(self.texts) | set(self.finish_reasons)) or [0]
+        texts, reasons, _envelope = self._parse()
+        return sorted(set(texts) | set(reasons)) or [0]
 
     def _envelope(self, request_id: str, model: str) -> dict[str, Any]:
         chat = self.endpoint is Endpoint.CHAT
+        seen = self._parse()[2]
         return {
-            "id": self.response_id or request_id,
+            "id": seen.get("id") or request_id,
             "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": self.created or int(time.time()),
-            "model": self.model or model,
+            "created": seen.get("created") or int(time.time()),
+            "model": seen.get("model") or model,
         }
 
     def preempted_chunk(self, request_id: str, model: str, prompt_tokens: int,

@@ -44,7 +44,7 @@ def test_event_data_reads_the_data_line() -> None:
 
 def test_tally_counts_tokens_text_and_usage() -> None:
     """Token chunks are counted, texts joined, upstream usage preferred when present."""
-    tally = StreamTally(Endpoint.CHAT)
+    tally = StreamTally(Endpoint.CHAT, keep_payloads=True)
     assert tally.observe(_chat_chunk("")) == (False, False)
     assert tally.observe(_chat_chunk(" a")) == (True, False)
     assert tally.observe(_chat_chunk(" b", usage={"prompt_tokens": 9,
@@ -59,9 +59,28 @@ def test_tally_counts_tokens_text_and_usage() -> None:
     assert tally.done
 
 
+@pytest.mark.parametrize(
+    ("payload", "has_token"),
+    [
+        (b'{"choices":[{"delta":{"role":"assistant","content":""}}]}', False),
+        (b'{"choices":[{"delta":{"content":" a"}}]}', True),
+        (b'{"choices": [{"delta": {"content": " a"}}]}', True),
+        (b'{"choices":[{"delta":{"content":"say \\"content\\":\\"x"}}]}', True),
+        (b'{"choices":[{"delta":{"reasoning_content":"hm"}}]}', True),
+        (b'{"choices":[{"delta":{"tool_calls":[{"index":0}]}}]}', True),
+        (b'{"choices":[{"delta":{},"finish_reason":"stop"}]}', False),
+    ],
+    ids=["role-only", "compact", "spaced", "escaped-quotes", "reasoning", "tool-call",
+         "finish-only"],
+)
+def test_token_detection_without_parsing(payload: bytes, has_token: bool) -> None:
+    """Token-carrying chunks are told apart by bytes alone, compact or spaced JSON."""
+    assert StreamTally(Endpoint.CHAT).observe(payload)[0] is has_token
+
+
 def test_preempted_chunk_is_resumable() -> None:
     """The final chunk of a revoked stream carries preempted, the text so far and usage."""
-    tally = StreamTally(Endpoint.COMPLETIONS)
+    tally = StreamTally(Endpoint.COMPLETIONS, keep_payloads=True)
     for text in (" x", " y"):
         tally.observe(json.dumps({"id": "r", "choices": [{"index": 0, "text": text,
                                                           "finish_reason": None}]}).encode())
@@ -84,7 +103,7 @@ def test_preempted_chunk_is_resumable() -> None:
 def test_completion_body_assembled_from_stream(finish: str | None, reason: str,
                                                want: str) -> None:
     """A non-streaming body from the stream: finished choices keep their reason."""
-    tally = StreamTally(Endpoint.CHAT)
+    tally = StreamTally(Endpoint.CHAT, keep_payloads=True)
     tally.observe(_chat_chunk(" hi", finish=finish))
     body = json.loads(tally.completion_body("req", "m", 4, preempted_reason=reason))
     choice = body["choices"][0]
