@@ -154,7 +154,7 @@ class DaemonMetrics:
             "scheduler) and kind.", ["pool", "source", "kind"], registry=r)
         self.query_age = Gauge(
             "borrowd_last_successful_query_age_seconds",
-            "Seconds since every Prometheus query of the pool last answered (+Inf: never).",
+            "Age of the freshest data Prometheus last reported for the pool (+Inf: never).",
             ["pool"], registry=r)
         self.observed = Gauge(
             "borrowd_observed", "Signals of the last observation (NaN: not measured).",
