@@ -97,21 +97,24 @@ def slo_met(fig: dict[str, float], slo: Slo) -> bool:
 
 @dataclass(frozen=True)
 class WindowFigures:
-    """Figures of one window: interactive SLO figures, busy fraction, batch throughput."""
+    """Figures of one window: interactive SLO figures, busy fraction, batch tokens computed
+    (`batch_tokens_per_s`) and batch tokens of jobs completed in it."""
 
     start_s: float
     interactive: dict[str, float]
     slo_met: bool
     gpu_busy_frac: float
     batch_tokens_per_s: float
+    batch_completed_tokens_per_s: float
 
     def to_json(self) -> dict[str, object]:
         """The window as a JSON-ready dict."""
         out: dict[str, object] = {"start_s": self.start_s}
-        out.update({k: _clean(v) for k, v in self.interactive.items()})
+        out.update({k: json_number(v) for k, v in self.interactive.items()})
         out["slo_met"] = self.slo_met
         out["gpu_busy_frac"] = round(self.gpu_busy_frac, 4)
         out["batch_tokens_per_s"] = round(self.batch_tokens_per_s, 1)
+        out["batch_completed_tokens_per_s"] = round(self.batch_completed_tokens_per_s, 1)
         return out
 
 
@@ -125,11 +128,13 @@ def windows(rec: Recorder, duration_s: float, window_s: float, replicas: int,
         fig = rec.interactive_figures(t0, t1)
         busy = sum(rec.busy_s_per_s[int(t0):int(t1)]) / (replicas * (t1 - t0))
         batch = sum(rec.batch_tokens_per_s[int(t0):int(t1)]) / (t1 - t0)
-        out.append(WindowFigures(t0, fig, slo_met(fig, slo), busy, batch))
+        done = sum(rec.batch_done_tokens_per_s[int(t0):int(t1)]) / (t1 - t0)
+        out.append(WindowFigures(t0, fig, slo_met(fig, slo), busy, batch, done))
     return out
 
 
-def _clean(value: float | int) -> float | int | None:
+def json_number(value: float | int) -> float | int | None:
+    """A figure for JSON: NaN becomes null, floats are rounded to 6 decimals."""
     if isinstance(value, float):
         return None if math.isnan(value) else round(value, 6)
     return value

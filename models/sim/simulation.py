@@ -65,7 +65,7 @@ class RunResult:
         rec = self.recorder
         wins = metrics.windows(rec, self.duration_s, sc.window_s, sc.replicas, sc.slo)
         overall = rec.interactive_figures(-1.0, self.duration_s + 1.0)
-        inter: dict[str, object] = {k: metrics._clean(v) for k, v in overall.items()}
+        inter: dict[str, object] = {k: metrics.json_number(v) for k, v in overall.items()}
         inter["slo_windows_met_frac"] = round(sum(w.slo_met for w in wins) / len(wins), 4)
         inter["preemptions"] = self.interactive_preemptions
         return {
