@@ -223,3 +223,20 @@ def test_fixed_rate_batch_submission() -> None:
                      rate_scale=SEED_RATE_SCALE).summary()
     assert 100 <= s["batch"]["completed"] <= 200
     assert s["interactive"]["slo_windows_met_frac"] == 1.0
+
+
+@pytest.mark.parametrize("policy", ["none", "static:30000"], ids=["interactive", "with-batch"])
+def test_decode_spans_change_no_figure(policy: str) -> None:
+    """Runs with closed-form decode spans give the figures of step-by-step runs."""
+    trace, lengths = load_inputs(SEED)
+    out = []
+    for spans in (False, True):
+        sim = Simulation(SEED, parse_policy(policy, SEED), duration_s=120.0, seed=4,
+                         trace=trace, rate_scale=SEED_RATE_SCALE, lengths=lengths)
+        sim._spans = spans
+        summary = sim.run().summary()
+        out.append((summary["interactive"], summary["batch"]))
+    (inter_a, batch_a), (inter_b, batch_b) = out
+    assert batch_a == batch_b
+    for key, value in inter_a.items():
+        assert inter_b[key] == pytest.approx(value, rel=1e-6, abs=1e-6), key
