@@ -88,10 +88,11 @@ def parse_completion_request(raw: bytes, endpoint: Endpoint) -> CompletionReques
         isinstance(explicit, bool) or not isinstance(explicit, int) or explicit < 0
     ):
         raise FieldError(PROMPT_TOKENS_FIELD, "must be an integer >= 0")
+    count = explicit is None
     if endpoint is Endpoint.CHAT:
-        estimate = _chat_prompt_tokens(body.get("messages"))
+        estimate = _chat_prompt_tokens(body.get("messages"), count)
     else:
-        estimate = _completion_prompt_tokens(body.get("prompt"))
+        estimate = _completion_prompt_tokens(body.get("prompt"), count)
     return CompletionRequest(
         endpoint=endpoint,
         body=body,
@@ -158,7 +159,8 @@ def _optional_int(body: dict, key: str, default: int | None, *, minimum: int) ->
     return value
 
 
-def _chat_prompt_tokens(messages: Any) -> int:
+def _chat_prompt_tokens(messages: Any, count: bool) -> int:
+    """Validate chat messages; their token estimate when `count` (else 0)."""
     if not isinstance(messages, list) or not messages:
         raise FieldError("messages", "is required and must be a non-empty list")
     total = 0
@@ -170,13 +172,14 @@ def _chat_prompt_tokens(messages: Any) -> int:
             raise FieldError(f"messages[{i}].role", "is required and must be a string")
         content = message.get("content")
         if content is None or isinstance(content, str):
-            total += estimate_text_tokens(content or "")
+            if count and content:
+                total += estimate_text_tokens(content)
         elif isinstance(content, list):
             for j, part in enumerate(content):
                 if not isinstance(part, dict):
                     raise FieldError(f"messages[{i}].content[{j}]", "must be an object")
                 text = part.get("text")
-                if isinstance(text, str):
+                if count and isinstance(text, str):
                     total += estimate_text_tokens(text)
         else:
             raise FieldError(f"messages[{i}].content", "must be a string, a list or null")
@@ -185,12 +188,13 @@ def _chat_prompt_tokens(messages: Any) -> int:
     return total
 
 
-def _completion_prompt_tokens(prompt: Any) -> int:
+def _completion_prompt_tokens(prompt: Any, count: bool) -> int:
+    """Validate a completion prompt; its token estimate when `count` (else 0)."""
     if isinstance(prompt, str):
-        return estimate_text_tokens(prompt)
+        return estimate_text_tokens(prompt) if count else 0
     if isinstance(prompt, list) and prompt:
         if all(isinstance(p, str) for p in prompt):
-            return sum(estimate_text_tokens(p) for p in prompt)
+            return sum(estimate_text_tokens(p) for p in prompt) if count else 0
         if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
             return len(prompt)
     raise FieldError("prompt", "is required: a string, a list of strings or a list of token ids")

@@ -31,6 +31,9 @@ def split_events(buffer: bytearray) -> list[bytes]:
 
 def event_data(event: bytes) -> bytes | None:
     """The payload of an event's `data:` line, or None for comments and other fields."""
+    # Fast path: one `data: ...` line, the only shape vLLM sends.
+    if event.startswith(b"data: ") and event.find(b"\n") == len(event) - 2:
+        return event[6:-2]
     for line in event.split(b"\n"):
         if line.startswith(b"data:"):
             return line[5:].strip()
@@ -38,9 +41,12 @@ def event_data(event: bytes) -> bytes | None:
 
 
 _TOKEN_MARKERS = {
-    Endpoint.CHAT: (b'"content":"', b'"content": "', b'"reasoning_content":"',
-                    b'"reasoning_content": "', b'"reasoning":"', b'"reasoning": "'),
-    Endpoint.COMPLETIONS: (b'"text":"', b'"text": "'),
+    endpoint: tuple((marker, len(marker)) for marker in markers)
+    for endpoint, markers in (
+        (Endpoint.CHAT, (b'"content":"', b'"content": "', b'"reasoning_content":"',
+                         b'"reasoning_content": "', b'"reasoning":"', b'"reasoning": "')),
+        (Endpoint.COMPLETIONS, (b'"text":"', b'"text": "')),
+    )
 }
 _QUOTE = ord('"')
 
@@ -60,17 +66,18 @@ def _contains(payload: bytes, needles: tuple[bytes, bytes]) -> bool:
     return needles[0] in payload or needles[1] in payload
 
 
-def _carries_token(payload: bytes, markers: tuple[bytes, ...]) -> bool:
+def _carries_token(payload: bytes, markers: tuple[tuple[bytes, int], ...]) -> bool:
     """True when a chunk has a non-empty content/reasoning/text string or a tool call.
 
     Byte checks, no JSON parse: a string value's own quotes are escaped in JSON, so a
     marker only matches a real key.
     """
-    for marker in markers:
+    last = len(payload) - 1
+    for marker, size in markers:
         start = payload.find(marker)
         while start >= 0:
-            after = start + len(marker)
-            if after < len(payload) and payload[after] != _QUOTE:
+            after = start + size
+            if after <= last and payload[after] != _QUOTE:
                 return True
             start = payload.find(marker, after)
     return _contains(payload, _TOOL_CALL)
