@@ -97,7 +97,8 @@ async def _start(redis_proc: ServerProcess, config: dict, emulator: EmulatorServ
                  emulator_port: int) -> AsyncIterator[Stack]:
     emulator_runner = await serve_emulator(emulator, "127.0.0.1", emulator_port)
     client = connect_async(redis_proc.extra["url"], connect_timeout_s=0.5)
-    gate = AsyncGate(client, POOL, lease_ms=10_000, batch_priority=BATCH_PRIORITY)
+    gate = AsyncGate(client, POOL, lease_ms=config["admission"].get("lease_ms", 10_000),
+                     batch_priority=BATCH_PRIORITY)
     proxy = ProxyServer(parse_config(config), gate)
     port = free_port()
     proxy_runner = await serve_proxy(proxy, "127.0.0.1", port)
@@ -326,6 +327,62 @@ async def test_release_returns_the_reservation(stack: Stack) -> None:
             assert resp.status == 200
         await _until(lambda: not stack.proxy._pending, 2.0, "the release")
     assert (await stack.proxy.gate.inflight()).seqs == 0
+
+
+async def test_leases_of_long_streams_are_renewed(redis_proc: ServerProcess) -> None:
+    """A batch stream longer than its admission lease keeps its seat: the proxy renews it."""
+    emulator_port = free_port()
+    config = _config(f"http://127.0.0.1:{emulator_port}")
+    config["admission"]["lease_ms"] = 400
+    emulator = EmulatorServer(EmulatorConfig(kv_capacity_tokens=65_536, max_model_len=32_768))
+    async for stack in _start(redis_proc, config, emulator, emulator_port):
+        stack.publish(max_batch_seqs=1)
+        async with await stack.post(BATCH_KEY, _chat(3000, stream=True)) as resp:
+            await _events(resp, limit=3)
+            await asyncio.sleep(1.2)
+            assert (await stack.proxy.gate.inflight()).seqs == 1
+            async with await stack.post(BATCH_KEY, _chat(2)) as second:
+                assert second.status == 429
+
+
+async def test_upstream_failure_mid_stream_is_reported(redis_proc: ServerProcess) -> None:
+    """An upstream that dies mid-stream: batch gets a resumable end, interactive an error."""
+
+    async def dying(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for word in (" a", " b"):
+            chunk = {"id": "x", "model": MODEL, "created": 1,
+                     "choices": [{"index": 0, "delta": {"content": word},
+                                  "finish_reason": None}]}
+            await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        assert request.transport is not None
+        request.transport.close()
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", dying)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    emulator = EmulatorServer(EmulatorConfig(kv_capacity_tokens=65_536, max_model_len=32_768))
+    try:
+        async for stack in _start(redis_proc, _config(f"http://127.0.0.1:{port}"), emulator,
+                                  free_port()):
+            stack.publish()
+            async with await stack.post(BATCH_KEY, _chat(50, stream=True)) as resp:
+                batch = await _events(resp)
+            async with await stack.post(INTERACTIVE_KEY, _chat(50, stream=True)) as resp:
+                interactive = await _events(resp)
+    finally:
+        await runner.cleanup()
+    final = batch[-2]["choices"][0]
+    assert final["finish_reason"] == "preempted"
+    assert final["borrowd_text"] == " a b"
+    assert "upstream failed mid-stream" in final["borrowd_reason"]
+    assert "upstream failed mid-stream" in interactive[-2]["error"]["message"]
+    assert interactive[-1] == {"done": True}
 
 
 # -- disconnects -------------------------------------------------------------------------
