@@ -233,8 +233,12 @@ class ProxyServer:
         except FieldError as exc:
             return _error(400, str(exc), "invalid_request_error", field=exc.field)
         requested = req.max_tokens or self.config.admission.default_batch_max_tokens
-        decision = await self.admitter.admit(ex.request_id, req.prompt_tokens, requested,
-                                             max_wait_s)
+        try:
+            decision = await self.admitter.admit(ex.request_id, req.prompt_tokens, requested,
+                                                 max_wait_s)
+        except asyncio.CancelledError:
+            self.metrics.finished(BATCH, "client_disconnect", 0, 0)
+            raise
         self.metrics.queue[BATCH].observe(decision.waited_s)
         if not decision.admitted:
             self.metrics.finished(BATCH, decision.outcome, 0, 0)

@@ -8,6 +8,7 @@ Lua scripts.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
@@ -93,6 +94,7 @@ def _config(upstream: str, **proxy_overrides) -> dict:
     }
 
 
+@contextlib.asynccontextmanager
 async def _start(redis_proc: ServerProcess, config: dict, emulator: EmulatorServer,
                  emulator_port: int) -> AsyncIterator[Stack]:
     emulator_runner = await serve_emulator(emulator, "127.0.0.1", emulator_port)
@@ -117,8 +119,8 @@ async def stack(redis_proc: ServerProcess) -> AsyncIterator[Stack]:
     """Proxy -> emulator (real-time H100 profile, small KV) with a real gate."""
     emulator_port = free_port()
     emulator = EmulatorServer(EmulatorConfig(kv_capacity_tokens=65_536, max_model_len=32_768))
-    async for item in _start(redis_proc, _config(f"http://127.0.0.1:{emulator_port}"),
-                             emulator, emulator_port):
+    async with _start(redis_proc, _config(f"http://127.0.0.1:{emulator_port}"), emulator,
+                      emulator_port) as item:
         yield item
 
 
@@ -246,7 +248,7 @@ async def test_queue_mode_waits_for_a_budget(redis_proc: ServerProcess) -> None:
     config = _config(f"http://127.0.0.1:{emulator_port}")
     config["admission"].update(mode="queue", queue_poll_min_s=0.05)
     emulator = EmulatorServer(EmulatorConfig(kv_capacity_tokens=65_536, max_model_len=32_768))
-    async for stack in _start(redis_proc, config, emulator, emulator_port):
+    async with _start(redis_proc, config, emulator, emulator_port) as stack:
         pending = asyncio.create_task(stack.post(BATCH_KEY, _chat(),
                                                  headers={"X-Borrowd-Max-Wait-S": "5"}))
         await asyncio.sleep(0.4)
@@ -256,6 +258,22 @@ async def test_queue_mode_waits_for_a_budget(redis_proc: ServerProcess) -> None:
             assert resp.status == 200
         text = await stack.metrics()
         assert 'borrowd_proxy_queue_seconds_count{class="batch",pool="e2e"} 1.0' in text
+
+
+async def test_client_leaving_the_queue_is_counted(redis_proc: ServerProcess) -> None:
+    """A batch client that hangs up while queued leaves the queue and counts as a disconnect."""
+    emulator_port = free_port()
+    config = _config(f"http://127.0.0.1:{emulator_port}")
+    config["admission"].update(mode="queue", queue_poll_min_s=0.05)
+    emulator = EmulatorServer(EmulatorConfig(kv_capacity_tokens=65_536, max_model_len=32_768))
+    async with _start(redis_proc, config, emulator, emulator_port) as stack:
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(stack.post(BATCH_KEY, _chat()), 0.3)
+        await _until(lambda: stack.proxy.admitter.queued == 0, 2.0, "the queue to empty")
+        await _until(lambda: stack.proxy.registry.get_sample_value(
+            "borrowd_proxy_requests_total",
+            {"pool": POOL, "class": "batch", "outcome": "client_disconnect"}) == 1.0,
+            2.0, "the disconnect to be counted")
 
 
 async def test_redis_down_fails_batch_closed_and_interactive_open(stack: Stack) -> None:
@@ -335,7 +353,7 @@ async def test_leases_of_long_streams_are_renewed(redis_proc: ServerProcess) -> 
     config = _config(f"http://127.0.0.1:{emulator_port}")
     config["admission"]["lease_ms"] = 400
     emulator = EmulatorServer(EmulatorConfig(kv_capacity_tokens=65_536, max_model_len=32_768))
-    async for stack in _start(redis_proc, config, emulator, emulator_port):
+    async with _start(redis_proc, config, emulator, emulator_port) as stack:
         stack.publish(max_batch_seqs=1)
         async with await stack.post(BATCH_KEY, _chat(3000, stream=True)) as resp:
             await _events(resp, limit=3)
@@ -368,8 +386,8 @@ async def test_upstream_failure_mid_stream_is_reported(redis_proc: ServerProcess
     await web.TCPSite(runner, "127.0.0.1", port).start()
     emulator = EmulatorServer(EmulatorConfig(kv_capacity_tokens=65_536, max_model_len=32_768))
     try:
-        async for stack in _start(redis_proc, _config(f"http://127.0.0.1:{port}"), emulator,
-                                  free_port()):
+        async with _start(redis_proc, _config(f"http://127.0.0.1:{port}"), emulator,
+                          free_port()) as stack:
             stack.publish()
             async with await stack.post(BATCH_KEY, _chat(50, stream=True)) as resp:
                 batch = await _events(resp)
