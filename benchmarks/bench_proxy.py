@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import sys
 import tempfile
 import time
@@ -95,23 +96,31 @@ async def _one_stream(session: aiohttp.ClientSession, url: str, headers: dict[st
 
 async def run_load(base_url: str, key: str | None, streams: int, duration_s: float,
                    max_tokens: int) -> LoadResult:
-    """`streams` concurrent clients, each sending streaming chat requests back to back."""
+    """`streams` concurrent clients, each sending streaming chat requests back to back.
+
+    Each request asks for a length drawn uniformly from [max_tokens / 2, 3 * max_tokens / 2]
+    (seeded per client, so the direct and the proxied run replay the same sequence): equal
+    lengths would finish every stream in the same engine step and make all of them arrive
+    again at once, a lockstep that real traffic does not have.
+    """
     url = base_url + "/v1/chat/completions"
     headers = {"Content-Type": "application/json"}
     if key:
         headers["Authorization"] = f"Bearer {key}"
-    body = json.dumps({"model": MODEL, "stream": True, "max_tokens": max_tokens,
-                       "borrowd_prompt_tokens": PROMPT_TOKENS, "borrowd_timing": True,
-                       "messages": [{"role": "user", "content": "benchmark " * 50}]}).encode()
+    low, high = max(1, max_tokens // 2), max(1, max_tokens * 3 // 2)
+    bodies = [json.dumps({"model": MODEL, "stream": True, "max_tokens": n,
+                          "borrowd_prompt_tokens": PROMPT_TOKENS, "borrowd_timing": True,
+                          "messages": [{"role": "user", "content": "benchmark " * 50}]}).encode()
+              for n in range(low, high + 1)]
     result = LoadResult()
     deadline = time.monotonic() + duration_s
     connector = aiohttp.TCPConnector(limit=0)
 
     async def client(index: int) -> None:
-        # Stagger the start so the streams do not march in lockstep.
+        rng = random.Random(index)
         await asyncio.sleep(index * 0.003)
         while time.monotonic() < deadline:
-            await _one_stream(session, url, headers, body, result)
+            await _one_stream(session, url, headers, rng.choice(bodies), result)
 
     async with aiohttp.ClientSession(connector=connector) as session:
         await asyncio.gather(*(client(i) for i in range(streams)))
@@ -155,7 +164,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--streams", default="1,50,200", help="comma-separated concurrencies")
     parser.add_argument("--duration-s", type=float, default=12.0, help="seconds per load run")
-    parser.add_argument("--max-tokens", type=int, default=16, help="output tokens per request")
+    parser.add_argument("--max-tokens", type=int, default=16,
+                        help="mean output tokens per request (uniform over [T/2, 3T/2])")
     parser.add_argument("--time-scale", type=float, default=8.0,
                         help="emulator wall seconds per simulated second (slower steps keep the "
                              "chunk rate within what one shared CPU core serves)")
@@ -180,7 +190,8 @@ def main() -> int:
             server.stop()
 
     print(f"borrowd proxy vs direct to the emulator: {args.duration_s:g} s per run, "
-          f"{args.max_tokens} tokens per request, emulator time scale {args.time_scale:g}, "
+          f"{args.max_tokens // 2}-{args.max_tokens * 3 // 2} tokens per request, "
+          f"emulator time scale {args.time_scale:g}, "
           f"{psutil.cpu_count()} CPUs, load average {psutil.getloadavg()[0]:.1f}")
     print(f"{'streams':>7} {'reqs d/p':>10} {'TTFT p50 ms d/p':>16} {'TTFT p99 ms d/p':>16} "
           f"{'+TTFT p50 ms':>12} {'+TTFT p99 ms':>12} {'+chunk p50 ms':>13} "
