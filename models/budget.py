@@ -54,7 +54,9 @@ class Budget:
         for name in ("batch_tokens_per_s",):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
-                raise BudgetRecordError(f"budget field {name} must be finite and >= 0, got {value!r}")
+                raise BudgetRecordError(
+                    f"budget field {name} must be finite and >= 0, got {value!r}"
+                )
         for name in (
             "batch_burst_tokens",
             "max_batch_seqs",
@@ -62,7 +64,9 @@ class Budget:
             "max_batch_output_tokens",
         ):
             if getattr(self, name) < 0:
-                raise BudgetRecordError(f"budget field {name} must be >= 0, got {getattr(self, name)!r}")
+                raise BudgetRecordError(
+                    f"budget field {name} must be >= 0, got {getattr(self, name)!r}"
+                )
 
     @property
     def admits_batch(self) -> bool:
@@ -83,7 +87,9 @@ class Budget:
 
     def with_envelope(self, *, epoch: int, seq: int, issued_at_s: float, ttl_ms: int) -> Budget:
         """Copy with the store's envelope filled in."""
-        return dataclasses.replace(self, epoch=epoch, seq=seq, issued_at_s=issued_at_s, ttl_ms=ttl_ms)
+        return dataclasses.replace(
+            self, epoch=epoch, seq=seq, issued_at_s=issued_at_s, ttl_ms=ttl_ms
+        )
 
     def to_fields(self) -> dict[str, str]:
         """Flat string fields as stored in the Redis hash (and sent on the pub/sub channel)."""
