@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import re
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+
+from controller.cli import build_parser
 
 SYSTEMD = Path(__file__).resolve().parents[3] / "systemd"
 UNITS = ("borrowd.service", "borrowd-proxy.service", "borrowd-gate.service")
@@ -65,3 +69,27 @@ def test_daemon_unit_uses_readiness_and_watchdog() -> None:
     assert "Type=notify" in lines
     assert any(line.startswith("WatchdogSec=") for line in lines)
     assert "ExecStart=/usr/local/bin/borrowd run --config /etc/borrowd/borrowd.toml" in lines
+
+
+def _env_example() -> dict[str, str]:
+    lines = (SYSTEMD / "borrowd.env.example").read_text().splitlines()
+    pairs = (line.split("=", 1) for line in lines if "=" in line and not line.startswith("#"))
+    return {key.strip(): value.strip() for key, value in pairs}
+
+
+@pytest.mark.parametrize("unit", UNITS, ids=UNITS)
+def test_exec_start_parses_with_the_cli(unit: str) -> None:
+    """Each ExecStart, with the env example's values, is a valid borrowd command line."""
+    env = _env_example()
+    for line in directives(unit):
+        if not line.startswith(("ExecStart=", "ExecStartPre=")):
+            continue
+        command = line.split("=", 1)[1]
+        expanded = re.sub(r"\$\{(\w+)\}", lambda m: env.get(m.group(1), "") or "", command)
+        for key, value in re.findall(r"^Environment=(\w+)=(.*)$",
+                                     (SYSTEMD / unit).read_text(), flags=re.M):
+            expanded = expanded.replace(f"${{{key}}}", value)
+        argv = shlex.split(expanded)
+        assert argv[0] == INSTALLED_BINARY
+        assert "${" not in expanded, f"{unit}: unset variable in {command!r}"
+        build_parser().parse_args(argv[1:])
