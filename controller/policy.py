@@ -39,7 +39,7 @@ from models.budget import Budget, Mode, closed_budget
 from models.errors import ConfigError
 from models.plant.model import PlantModel
 from models.plant.rls import LocalGain
-from models.signals import Observation, Slo
+from models.signals import SLO_QUANTILE, Observation, Slo
 
 LAWS = ("pi", "mpc", "slack")
 OUTPUTS = ("ttft", "itl")
@@ -149,6 +149,17 @@ class ControllerConfig:
         default=15.0,
         metadata={"unit": "s", "help": "smoothing time constant of a falling latency signal"},
     )
+    control_on_burn: bool = field(
+        default=True,
+        metadata={
+            "unit": "bool",
+            "help": "laws track the SLO burn (share above SLO / 0.05) when measured, else p95/SLO",
+        },
+    )
+    burn_filter_s: float = field(
+        default=10.0,
+        metadata={"unit": "s", "help": "smoothing time constant of the SLO burn signals"},
+    )
     pi: PiConfig = field(default_factory=PiConfig, metadata={"unit": "table", "help": "PI law"})
     mpc: MpcConfig = field(
         default_factory=MpcConfig, metadata={"unit": "table", "help": "MPC law"}
@@ -180,6 +191,7 @@ class ControllerConfig:
             "u_max_tokens_per_s",
             "filter_rise_s",
             "filter_fall_s",
+            "burn_filter_s",
         )
         for name in positive:
             if getattr(self, name) <= 0:
@@ -291,6 +303,8 @@ class ControllerPolicy:
         self.sup_state = SupervisorState()
         self.forecast_state = ForecastState()
         self.smoothed = (math.nan, math.nan)
+        self.burns = (math.nan, math.nan)
+        self.burn_setpoints = (config.pi.setpoint_ttft_burn, config.pi.setpoint_itl_burn)
         self.prev_ff_tokens_per_s = math.nan
         self.local_gains = self._start_estimators()
         self.mpc_outs = (
@@ -369,6 +383,7 @@ class ControllerPolicy:
         dt_s = now_s - self.last_now_s if math.isfinite(self.last_now_s) else self.tick_s
         dt_s = min(max(dt_s, 1e-3), 10 * self.tick_s)
         self.last_now_s = now_s
+        self._smooth_burns(obs, dt_s)
         obs = self._smooth(obs, dt_s)
         ys = (obs.ttft_norm(self.slo), obs.itl_norm(self.slo))
         self.forecast_state = forecast_update(
@@ -397,7 +412,8 @@ class ControllerPolicy:
         return Decision(budget=budget, u_law=u_law, events=decision.events)
 
     def _smooth(self, obs: Observation, dt_s: float) -> Observation:
-        """The observation with its p95s replaced by their asymmetric exponential smoothing.
+        """The observation with its p95s replaced by their asymmetric exponential smoothing,
+        and its shares above the SLOs by their smoothing (NaN when `control_on_burn` is off).
 
         A short sliding-window p95 over a few requests is noisy; the smoothing rises faster
         than it falls, so it errs on the safe side. A window without interactive requests
@@ -419,7 +435,43 @@ class ControllerPolicy:
         elif math.isfinite(obs.interactive_requests):
             # No request completed in the window: no failure seen; keep the last rate.
             success = self.last_success_rate if math.isfinite(self.last_success_rate) else 1.0
-        return replace(obs, ttft_p95_s=values[0], itl_p95_s=values[1], success_rate=success)
+        shares = (
+            (b * (1.0 - SLO_QUANTILE) if self.config.control_on_burn else math.nan)
+            for b in self.burns
+        )
+        ttft_share, itl_share = shares
+        return replace(
+            obs,
+            ttft_p95_s=values[0],
+            itl_p95_s=values[1],
+            success_rate=success,
+            ttft_over_slo_frac=ttft_share,
+            itl_over_slo_frac=itl_share,
+        )
+
+    def _smooth_burns(self, obs: Observation, dt_s: float) -> None:
+        """Fold this window's SLO burns into their exponential smoothing (NaN: hold)."""
+        tau_s = self.config.burn_filter_s
+        raws = (obs.ttft_burn(), obs.itl_burn())
+        self.burns = tuple(
+            smooth_step(prev, raw, dt_s, tau_s, tau_s)
+            for prev, raw in zip(self.burns, raws, strict=True)
+        )
+
+    def law_outputs(self, ys: tuple[float, ...]) -> tuple[tuple[float, ...], tuple[PiLoop, ...]]:
+        """What the law tracks per output: its smoothed SLO burn against the burn setpoint
+        when measured (and `control_on_burn`), else its p95/SLO against the p95 setpoint."""
+        if not self.config.control_on_burn:
+            return ys, self.loops
+        outs, loops = [], []
+        for y, burn, loop, sp in zip(ys, self.burns, self.loops, self.burn_setpoints, strict=True):
+            if math.isfinite(burn):
+                outs.append(burn)
+                loops.append(replace(loop, setpoint=sp))
+            else:
+                outs.append(y)
+                loops.append(loop)
+        return tuple(outs), tuple(loops)
 
     def _estimate(self, ys: tuple[float, ...], u: float) -> None:
         sched = self.config.schedule
@@ -438,7 +490,7 @@ class ControllerPolicy:
         cfg = self.config
         u_max = cfg.u_max_tokens_per_s
         if cfg.law == "slack":
-            return slack_step(ys, self.u_applied, cfg.slack, 0.0, u_max)
+            return slack_step(self.law_outputs(ys)[0], self.u_applied, cfg.slack, 0.0, u_max)
         if cfg.law == "mpc":
             return self._mpc(ys, u_max)
         ff_now = self._feedforward_tokens_per_s()
@@ -448,10 +500,11 @@ class ControllerPolicy:
         if math.isfinite(ff_now):
             self.prev_ff_tokens_per_s = ff_now
         ratios = self.gain_ratios()
+        outs, loops = self.law_outputs(ys)
         result = pi_step(
-            self.loops,
+            loops,
             self.pi_state,
-            ys,
+            outs,
             self.u_applied,
             dt_s,
             0.0,

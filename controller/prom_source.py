@@ -2,9 +2,10 @@
 
 The queries read the recording rules shipped in `deploy/prometheus/borrowd.rules.yml`
 (per-class p95 TTFT and ITL from the proxy's histograms, success ratio, token rates, vLLM KV
-usage, queue depth and preemptions). Every query has a short timeout and is tried once: a
-failed, empty or NaN answer leaves its field NaN (the supervisor reads that as not safe) and is
-counted. Also here: range queries over recorded series, for identification.
+usage, queue depth and preemptions, and the share of ITL gaps and first tokens above the
+default SLOs, 50 ms and 1 s, both vLLM bucket bounds). Every query has a short timeout and is
+tried once: a failed, empty or NaN answer leaves its field NaN (the supervisor reads that as
+not safe) and is counted. Also here: range queries over recorded series, for identification.
 """
 
 from __future__ import annotations
@@ -84,6 +85,14 @@ def pool_queries(pool: str, window: str) -> tuple[PromQuery, ...]:
         PromQuery("batch_running_seqs", f"pool_class:borrowd_proxy_inflight:sum{batch}"),
         PromQuery(
             "interactive_requests", f"pool_class:borrowd_proxy_requests:increase{window}{inter}"
+        ),
+        PromQuery(
+            "itl_over_slo_frac",
+            f"pool_class:borrowd_proxy_itl_seconds:over_slo_ratio_rate{window}{inter}",
+        ),
+        PromQuery(
+            "ttft_over_slo_frac",
+            f"pool_class:borrowd_proxy_ttft_seconds:over_slo_ratio_rate{window}{inter}",
         ),
     )
 

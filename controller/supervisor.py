@@ -41,7 +41,10 @@ class SupervisorConfig:
     SLO itself is on 60 s windows, so a short excursion past it is not yet a burn. The ITL
     cut sits at 1.5x: the ITL of a fleet lending its steps to batch prefill jumps from a few
     ms to a full prefill step once batch holds most steps, and the law backs off from such
-    a jump by itself; the supervisor acts when it does not.
+    a jump by itself; the supervisor acts when it does not. Where the observation carries an
+    SLO burn (the policy's smoothed share above the SLO over the 5% a p95 allows), the burn
+    replaces that output's p95 in the cut and reopen checks: it says how far past the edge
+    a window is, where the short-window p95 only says that it is.
     """
 
     cut_ttft_norm: float = field(
@@ -55,6 +58,22 @@ class SupervisorConfig:
     )
     reopen_itl_norm: float = field(
         default=0.9, metadata={"unit": "p95 ITL / SLO", "help": "quiet below"}
+    )
+    cut_ttft_burn: float = field(
+        default=1.5,
+        metadata={"unit": "share above SLO / 0.05", "help": "cut at or above (burn measured)"},
+    )
+    reopen_ttft_burn: float = field(
+        default=0.8,
+        metadata={"unit": "share above SLO / 0.05", "help": "quiet below (burn measured)"},
+    )
+    cut_itl_burn: float = field(
+        default=1.5,
+        metadata={"unit": "share above SLO / 0.05", "help": "cut at or above (burn measured)"},
+    )
+    reopen_itl_burn: float = field(
+        default=0.8,
+        metadata={"unit": "share above SLO / 0.05", "help": "quiet below (burn measured)"},
     )
     cut_kv_frac: float = field(
         default=0.97, metadata={"unit": "fraction of KV cache", "help": "cut at or above"}
@@ -100,6 +119,8 @@ class SupervisorConfig:
         pairs = (
             ("cut_ttft_norm", "reopen_ttft_norm"),
             ("cut_itl_norm", "reopen_itl_norm"),
+            ("cut_ttft_burn", "reopen_ttft_burn"),
+            ("cut_itl_burn", "reopen_itl_burn"),
             ("cut_kv_frac", "reopen_kv_frac"),
             ("cut_oldest_wait_s", "reopen_oldest_wait_s"),
         )
@@ -188,11 +209,12 @@ def burning(obs: Observation, slo: Slo, config: SupervisorConfig) -> tuple[str, 
     NaN signals do not burn here (`missing_signals` handles them).
     """
     severe = config.revoke_factor
+    ttft, itl = latency_checks(obs, slo, config, cut=True)
     checks = (
         (obs.kv_usage_frac, config.cut_kv_frac, "KV usage", True),
         (obs.interactive_oldest_wait_s, config.cut_oldest_wait_s, "oldest wait s", True),
-        (obs.ttft_norm(slo), config.cut_ttft_norm, "p95 TTFT/SLO", False),
-        (obs.itl_norm(slo), config.cut_itl_norm, "p95 ITL/SLO", False),
+        (*ttft, False),
+        (*itl, False),
     )
     for value, limit, label, always_revoke in checks:
         if value >= limit:
@@ -203,14 +225,34 @@ def burning(obs: Observation, slo: Slo, config: SupervisorConfig) -> tuple[str, 
     return "", False
 
 
+def latency_checks(
+    obs: Observation, slo: Slo, config: SupervisorConfig, *, cut: bool
+) -> tuple[tuple[float, float, str], tuple[float, float, str]]:
+    """(value, cut or reopen threshold, label) for TTFT and ITL: the burn where it is
+    measured, else the p95 over its SLO."""
+    ttft_burn, itl_burn = obs.ttft_burn(), obs.itl_burn()
+    if math.isfinite(ttft_burn):
+        ttft = (ttft_burn, config.cut_ttft_burn if cut else config.reopen_ttft_burn, "TTFT burn")
+    else:
+        ttft = (obs.ttft_norm(slo), config.cut_ttft_norm if cut else config.reopen_ttft_norm,
+                "p95 TTFT/SLO")
+    if math.isfinite(itl_burn):
+        itl = (itl_burn, config.cut_itl_burn if cut else config.reopen_itl_burn, "ITL burn")
+    else:
+        itl = (obs.itl_norm(slo), config.cut_itl_norm if cut else config.reopen_itl_norm,
+               "p95 ITL/SLO")
+    return ttft, itl
+
+
 def is_quiet(obs: Observation, slo: Slo, config: SupervisorConfig) -> bool:
     """True when every signal is under its reopen threshold (the lower side of hysteresis).
 
     A per-request signal that is NaN (no interactive request in the window) counts as quiet.
     """
+    (ttft, ttft_limit, _), (itl, itl_limit, _) = latency_checks(obs, slo, config, cut=False)
     return (
-        not obs.ttft_norm(slo) >= config.reopen_ttft_norm
-        and not obs.itl_norm(slo) >= config.reopen_itl_norm
+        not ttft >= ttft_limit
+        and not itl >= itl_limit
         and obs.kv_usage_frac < config.reopen_kv_frac
         and obs.interactive_oldest_wait_s < config.reopen_oldest_wait_s
         and not obs.success_rate < slo.success_rate

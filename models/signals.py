@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, fields
 
 NAN = float("nan")
+SLO_QUANTILE = 0.95  # the SLOs are on p95s
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,9 @@ class Observation:
 
     Latencies are interactive-class quantiles in seconds; `*_norm` helpers divide by the SLO
     so that 1.0 is the SLO line. `age_s` is how old the freshest sample behind these numbers
-    is (staleness); a source that could not answer returns NaN fields.
+    is (staleness); a source that could not answer returns NaN fields. `*_over_slo_frac` is
+the share of interactive inter-token gaps (first tokens) in the window above the SLO: p95 <=
+SLO exactly when that share is <= 5%, and unlike the p95 it moves smoothly with load.
     """
 
     now_s: float
@@ -43,6 +46,8 @@ class Observation:
     batch_tokens_per_s: float = NAN
     batch_running_seqs: float = NAN
     interactive_requests: float = NAN
+    itl_over_slo_frac: float = NAN
+    ttft_over_slo_frac: float = NAN
 
     def missing(self) -> list[str]:
         """Names of the fields that are NaN (not measured)."""
@@ -59,3 +64,11 @@ class Observation:
     def itl_norm(self, slo: Slo) -> float:
         """p95 ITL divided by its SLO."""
         return self.itl_p95_s / slo.itl_p95_s
+
+    def itl_burn(self) -> float:
+        """Share of inter-token gaps above the ITL SLO over the share the p95 allows (1.0: edge)."""
+        return self.itl_over_slo_frac / (1.0 - SLO_QUANTILE)
+
+    def ttft_burn(self) -> float:
+        """Share of first tokens above the TTFT SLO over the share the p95 allows (1.0: edge)."""
+        return self.ttft_over_slo_frac / (1.0 - SLO_QUANTILE)

@@ -72,6 +72,14 @@ class PiConfig:
     setpoint_itl_norm: float = field(
         default=0.5, metadata={"unit": "p95 ITL / SLO", "help": "ITL loop setpoint"}
     )
+    setpoint_ttft_burn: float = field(
+        default=0.5,
+        metadata={"unit": "share above SLO / 0.05", "help": "TTFT loop setpoint on the burn"},
+    )
+    setpoint_itl_burn: float = field(
+        default=0.95,
+        metadata={"unit": "share above SLO / 0.05", "help": "ITL loop setpoint on the burn"},
+    )
     method: str = field(
         default="simc", metadata={"unit": "simc|imc", "help": "tuning rule from the plant"}
     )
@@ -95,7 +103,9 @@ class PiConfig:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ConfigError(f"pi.method must be one of {METHODS}, got {self.method!r}")
-        for name in ("setpoint_ttft_norm", "setpoint_itl_norm"):
+        for name in (
+            "setpoint_ttft_norm", "setpoint_itl_norm", "setpoint_ttft_burn", "setpoint_itl_burn"
+        ):
             if not 0 < getattr(self, name) <= 1.0:
                 raise ConfigError(f"pi.{name} must be in (0, 1], got {getattr(self, name)!r}")
         for name in ("tc_s", "kp_tokens_per_s", "ki_tokens_per_s2"):

@@ -28,10 +28,10 @@ class SlackConfig:
         default=0.30, metadata={"unit": "1 - p95/SLO", "help": "grow when slack is above"}
     )
     cut_factor: float = field(
-        default=0.7, metadata={"unit": "1", "help": "budget multiplier when shrinking"}
+        default=0.9, metadata={"unit": "1", "help": "budget multiplier when shrinking"}
     )
     grow_step_tokens_per_s: float = field(
-        default=2000.0, metadata={"unit": "tokens/s", "help": "budget increment per tick"}
+        default=500.0, metadata={"unit": "tokens/s", "help": "budget increment per tick"}
     )
 
     def __post_init__(self) -> None:

@@ -33,6 +33,14 @@ def weighted_quantile(values: np.ndarray, weights: np.ndarray, q: float) -> floa
     return float(values[order[min(idx, len(order) - 1)]])
 
 
+def weighted_share_above(values: np.ndarray, weights: np.ndarray, threshold: float) -> float:
+    """Share of the total weight on values above `threshold`; NaN when there is no weight."""
+    total = float(np.sum(weights))
+    if len(values) == 0 or total <= 0:
+        return NAN
+    return float(np.sum(weights[values > threshold])) / total
+
+
 def quantile(values: np.ndarray, q: float) -> float:
     """Unweighted quantile (same rule as `weighted_quantile`); NaN when empty."""
     if len(values) == 0:
@@ -83,6 +91,19 @@ class Recorder:
             "itl_p99_s": weighted_quantile(itl, w, 0.99),
             "success_rate": (sum(ok) / len(ok)) if ok else NAN,
         }
+
+
+    def slo_burn(self, t0: float, t1: float, slo: Slo) -> tuple[float, float]:
+        """Shares (ITL gaps weighted per step, first tokens) above their SLO over (t0, t1]."""
+        a, b = self.window_slice(self.ttft_t, t0, t1)
+        ttft = np.asarray(self.ttft_s[a:b])
+        c, d = self.window_slice(self.itl_t, t0, t1)
+        itl = np.asarray(self.itl_s[c:d])
+        w = np.asarray(self.itl_w[c:d], dtype=float)
+        return (
+            weighted_share_above(itl, w, slo.itl_p95_s),
+            weighted_share_above(ttft, np.ones(len(ttft)), slo.ttft_p95_s),
+        )
 
 
 def slo_met(fig: dict[str, float], slo: Slo) -> bool:

@@ -377,6 +377,7 @@ class Simulation:
         engines = [e for e, up in zip(self.fleet.engines, self.fleet.up, strict=True) if up]
         oldest = max((now_s - r.submitted_s for r in self._waiting_first.values()), default=0.0)
         a, b = rec.window_slice(rec.ttft_t, t0, now_s)
+        itl_over, ttft_over = rec.slo_burn(t0, now_s, self.scenario.slo)
         return Observation(
             now_s=now_s,
             age_s=0.0,
@@ -391,6 +392,8 @@ class Simulation:
             batch_tokens_per_s=sum(rec.batch_tokens_per_s[lo:hi]) / span,
             batch_running_seqs=float(sum(e.num_running(BATCH) for e in engines)),
             interactive_requests=float(b - a),
+            itl_over_slo_frac=itl_over,
+            ttft_over_slo_frac=ttft_over,
         )
 
     # -- interactive requests, failures, housekeeping --------------------------------------

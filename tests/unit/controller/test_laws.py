@@ -147,9 +147,9 @@ def test_forecast_extrapolates_rises_only():
     ("outputs", "u_applied", "expected"),
     [
         ((1.1, 0.5), 20_000.0, 0.0),
-        ((0.95, 0.5), 20_000.0, 14_000.0),
+        ((0.95, 0.5), 20_000.0, 18_000.0),
         ((0.8, 0.5), 20_000.0, 20_000.0),
-        ((0.5, 0.5), 20_000.0, 22_000.0),
+        ((0.5, 0.5), 20_000.0, 20_500.0),
         ((math.nan, math.nan), 20_000.0, 20_000.0),
     ],
     ids=["over-slo-cut", "low-slack-shrink", "hold", "grow", "unmeasured-hold"],

@@ -35,6 +35,8 @@ FIELD_VALUES = {
     "batch_tokens_per_s": 3000.0,
     "batch_running_seqs": 4.0,
     "interactive_requests": 40.0,
+    "itl_over_slo_frac": 0.02,
+    "ttft_over_slo_frac": 0.0,
 }
 
 
@@ -92,6 +94,19 @@ def test_every_field_is_read_from_its_query() -> None:
         assert getattr(obs, name) == pytest.approx(value), name
     assert obs.age_s == pytest.approx(0.5)
     assert obs.missing() == []
+
+
+@pytest.mark.parametrize("window", ["15s", "1m"], ids=["15s", "1m"])
+def test_slo_burn_fields_read_the_over_slo_rules(window: str) -> None:
+    """The shares above the SLOs come from the interactive over-SLO ratio rules."""
+    exprs = {q.field: q.expr for q in pool_queries("chat", window)}
+    sel = '{pool="chat",class="interactive"}'
+    assert exprs["itl_over_slo_frac"] == (
+        f"pool_class:borrowd_proxy_itl_seconds:over_slo_ratio_rate{window}{sel}"
+    )
+    assert exprs["ttft_over_slo_frac"] == (
+        f"pool_class:borrowd_proxy_ttft_seconds:over_slo_ratio_rate{window}{sel}"
+    )
 
 
 def test_queries_are_evaluated_at_now_with_the_short_timeout() -> None:

@@ -62,6 +62,12 @@ CLOSED = SupervisorState(mode=Mode.CLOSED, reason="cut")
          Mode.RAMP, 0.0, "quiet"),
         (SupervisorState(mode=Mode.CLOSED, quiet_since_s=-5.0), obs(), 8000.0, False,
          Mode.CLOSED, 0.0, ""),
+        (OPEN, obs(itl_p95_s=0.2, itl_over_slo_frac=0.04), 8000.0, False, Mode.OPEN, 8000.0,
+         "open"),
+        (OPEN, obs(itl_over_slo_frac=0.08), 8000.0, False, Mode.CLOSED, 0.0, "ITL burn"),
+        (OPEN, obs(ttft_over_slo_frac=0.1), 8000.0, False, Mode.CLOSED, 0.0, "TTFT burn"),
+        (SupervisorState(mode=Mode.CLOSED, quiet_since_s=-10.0), obs(itl_over_slo_frac=0.045),
+         8000.0, False, Mode.CLOSED, 0.0, ""),
     ],
     ids=[
         "open-stays-open",
@@ -83,6 +89,10 @@ CLOSED = SupervisorState(mode=Mode.CLOSED, reason="cut")
         "closed-between-thresholds-stays-closed",
         "closed-quiet-long-enough-ramps",
         "closed-quiet-too-short-holds",
+        "measured-burn-under-cut-overrides-a-p95-jump",
+        "open-itl-slo-burn-cuts",
+        "open-ttft-slo-burn-cuts",
+        "closed-burn-above-reopen-is-not-quiet",
     ],
 )
 def test_transition(state, observation, u_law, stopped, mode, u, reason):

@@ -8,7 +8,14 @@ import numpy as np
 import pytest
 
 from models.signals import Slo
-from models.sim.metrics import Recorder, quantile, slo_met, weighted_quantile, windows
+from models.sim.metrics import (
+    Recorder,
+    quantile,
+    slo_met,
+    weighted_quantile,
+    weighted_share_above,
+    windows,
+)
 
 
 @pytest.mark.parametrize(
@@ -54,3 +61,36 @@ def test_windows_split_samples_by_time() -> None:
     assert wins[0].interactive["ttft_p95_s"] == 0.2
     assert wins[1].interactive["success_rate"] == 0.0
     assert wins[0].gpu_busy_frac == 0.5
+
+
+@pytest.mark.parametrize(
+    ("values", "weights", "threshold", "expected"),
+    [
+        ([0.01, 0.2], [19, 1], 0.05, 0.05),
+        ([0.01, 0.05, 0.2], [1, 1, 2], 0.05, 0.5),
+        ([0.01, 0.02], [5, 5], 0.05, 0.0),
+        ([], [], 0.05, math.nan),
+    ],
+    ids=["one-step-of-twenty-gaps", "at-threshold-is-not-above", "none-above", "empty"],
+)
+def test_weighted_share_above(values: list[float], weights: list[int], threshold: float,
+                              expected: float) -> None:
+    """Share of the weight strictly above the threshold; NaN without samples."""
+    got = weighted_share_above(np.array(values), np.array(weights, dtype=float), threshold)
+    assert got == pytest.approx(expected, nan_ok=True)
+
+
+def test_slo_burn_weights_gaps_per_step_and_counts_first_tokens() -> None:
+    """A window's shares above the SLOs: ITL steps by their gap count, TTFTs one each."""
+    rec = Recorder(10.0)
+    rec.itl_t += [1.0, 2.0, 3.0, 20.0]
+    rec.itl_s += [0.008, 0.2, 0.008, 0.2]
+    rec.itl_w += [30, 5, 15, 100]
+    rec.ttft_t += [1.0, 2.0, 3.0, 4.0]
+    rec.ttft_s += [0.3, 1.5, 0.2, 0.4]
+    itl, ttft = rec.slo_burn(0.0, 5.0, Slo())
+    assert itl == pytest.approx(5 / 50)
+    assert ttft == pytest.approx(0.25)
+    # At most 5% above the SLO is exactly p95 <= SLO.
+    fig = rec.interactive_figures(0.0, 5.0)
+    assert (fig["itl_p95_s"] <= Slo().itl_p95_s) == (itl <= 0.05)

@@ -1,0 +1,59 @@
+"""The policy's law inputs: the smoothed SLO burn when it is measured, p95/SLO otherwise."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from controller.policy import ControllerConfig, build_policy
+from models.signals import Observation
+
+
+def observation(now_s: float, **over: float) -> Observation:
+    """A healthy observation at `now_s` with fields overridden."""
+    base = dict(
+        age_s=0.5,
+        ttft_p95_s=0.3,
+        itl_p95_s=0.2,
+        success_rate=1.0,
+        kv_usage_frac=0.5,
+        interactive_queue_depth=0.0,
+        interactive_oldest_wait_s=0.1,
+        interactive_tokens_per_s=1000.0,
+        interactive_requests=20.0,
+    )
+    base.update(over)
+    return Observation(now_s=now_s, **base)
+
+
+@pytest.mark.parametrize(
+    ("over", "on_burn", "expected_itl", "expected_setpoint"),
+    [
+        ({"itl_over_slo_frac": 0.02, "ttft_over_slo_frac": 0.0}, True, 0.4, 0.95),
+        ({}, True, 4.0, 0.5),
+        ({"itl_over_slo_frac": 0.02, "ttft_over_slo_frac": 0.0}, False, 4.0, 0.5),
+    ],
+    ids=["burn-measured", "burn-unmeasured-falls-back-to-p95", "burn-switched-off"],
+)
+def test_law_tracks_the_burn_when_measured(over, on_burn, expected_itl, expected_setpoint):
+    """The ITL loop sees share-above-SLO / 0.05 against its burn setpoint, else p95/SLO."""
+    policy = build_policy(replace(ControllerConfig(), control_on_burn=on_burn), "p", None)
+    policy.step(observation(0.0, **over), 0.0)
+    ys = (0.3, 4.0)
+    outs, loops = policy.law_outputs(ys)
+    assert outs[1] == pytest.approx(expected_itl)
+    assert loops[1].setpoint == pytest.approx(expected_setpoint)
+
+
+def test_burn_is_smoothed_and_held_through_an_unmeasured_window():
+    """The burn follows its first-order filter and a NaN share holds the last value."""
+    config = replace(ControllerConfig(), burn_filter_s=10.0)
+    policy = build_policy(config, "p", None)
+    policy.step(observation(0.0, itl_over_slo_frac=0.0, ttft_over_slo_frac=0.0), 0.0)
+    policy.step(observation(1.0, itl_over_slo_frac=0.05, ttft_over_slo_frac=0.0), 1.0)
+    expected = 1.0 - math.exp(-0.1)
+    assert policy.burns[1] == pytest.approx(expected)
+    policy.step(observation(2.0, ttft_over_slo_frac=0.0), 2.0)
+    assert policy.burns[1] == pytest.approx(expected)
