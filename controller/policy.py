@@ -3,6 +3,10 @@
     obs -> forecast (feed-forward) -> gain schedule (RLS) -> law (pi | mpc | slack)
         -> supervisor (modes, cuts, hysteresis, ramp, failsafe) -> caps -> Budget
 
+The PI and slack laws track each output's SLO burn (share of interactive gaps or first tokens
+above the SLO over the 5% a p95 allows, smoothed): it rises smoothly with the batch load, where
+the short-window p95 ITL jumps from a decode step to a full prefill step.
+
 The policy is a `BudgetPolicy`: `decide(obs, now_s)` is all a loop (the daemon or the
 simulator) calls; time is passed in, nothing here reads a clock or does I/O. Each mode
 transition is kept as a `ModeEvent` for the caller to log (`drain_events`).
@@ -153,7 +157,10 @@ class ControllerConfig:
         default=True,
         metadata={
             "unit": "bool",
-            "help": "laws track the SLO burn (share above SLO / 0.05) when measured, else p95/SLO",
+            "help": (
+                "PI and slack track the SLO burn (share above SLO / 0.05) and the supervisor "
+                "cuts on it when measured, else p95/SLO (MPC keeps p95/SLO, as its plant)"
+            ),
         },
     )
     burn_filter_s: float = field(
