@@ -353,6 +353,7 @@ class _WatchedRecord:
         self.last_status = ReadStatus.ABSENT
 
     def on_push(self, payload: str, now_s: float) -> None:
+        """Take a record pushed on the pool's channel if it supersedes the one held."""
         try:
             budget = Budget.from_json(payload)
         except BudgetRecordError as exc:
@@ -364,6 +365,7 @@ class _WatchedRecord:
                 self.last_status = ReadStatus.OK
 
     def on_poll(self, read: RecordRead, now_s: float) -> None:
+        """Take the result of a poll of the store; the store is authoritative."""
         with self._lock:
             if read.status is not self.last_status:
                 # Once per change, not once per poll.
@@ -376,6 +378,7 @@ class _WatchedRecord:
                 self._budget = read.budget
 
     def current(self, now_s: float) -> Budget | None:
+        """The record held, or None when there is none or its lease has expired."""
         with self._lock:
             budget = self._budget
         if budget is None or not budget.is_fresh(now_s):

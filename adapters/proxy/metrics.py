@@ -53,6 +53,7 @@ class _OldestWaitCollector(Collector):
         self._clock = clock
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
+        """Yield the oldest-wait gauge per class, computed at scrape time."""
         family = GaugeMetricFamily(
             "borrowd_proxy_oldest_wait_seconds",
             "Age of the oldest in-flight request still waiting for its first token (0 if none).",
