@@ -11,7 +11,7 @@ from models.sim.bench import format_table, plot, run_bench
 from models.sim.cores import DEFAULT_ENGINE, ENGINE_CORES
 from models.sim.profiles import get_profile
 from models.sim.run import run_scenario
-from models.sim.scenario import Scenario, get_scenario
+from models.sim.scenario import ADMISSION, ENFORCEMENTS, Scenario, get_scenario
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -45,6 +45,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--interactive-load", type=float,
                    help="GPU busy fraction of interactive work alone (default 0.40)")
     p.add_argument("--profile", help="step-time profile (h100-llama3-8b, a100-llama3-8b)")
+    p.add_argument("--enforcement", default=ADMISSION,
+                   help=f"how the batch budget is enforced ({' | '.join(ENFORCEMENTS)}): "
+                        "the admission gate, or the gate plus the engine plugin's per-step "
+                        "batch token limit")
     p.add_argument("--engine", default=DEFAULT_ENGINE,
                    help=f"engine core ({', '.join(sorted(ENGINE_CORES))})")
 
@@ -54,6 +58,12 @@ def _scenario(args: argparse.Namespace) -> Scenario:
         raise InputError(f"--duration must be > 0 seconds, got {args.duration:g}")
     scenario = get_scenario(args.scenario)
     changes: dict[str, object] = {}
+    if args.enforcement not in ENFORCEMENTS:
+        raise InputError(
+            f"--enforcement must be one of {', '.join(ENFORCEMENTS)}, got {args.enforcement!r}"
+        )
+    if args.enforcement != ADMISSION:
+        changes["enforcement"] = args.enforcement
     if args.profile:
         get_profile(args.profile)
         changes["profile"] = args.profile

@@ -17,7 +17,7 @@ from pathlib import Path
 from models.errors import InputError
 from models.sim.policies import parse_policy
 from models.sim.run import calibrate_rate_scale, load_inputs, run_scenario
-from models.sim.scenario import Scenario
+from models.sim.scenario import ENGINE, Scenario
 
 DEFAULT_POLICIES = ("none", "unrestricted", "priority")
 CONTROLLER_POLICIES = ("pi", "mpc", "slack")
@@ -199,6 +199,8 @@ def format_table(rows: Sequence[dict[str, object]]) -> str:
         cells = []
         for _, path, fmt in COLUMNS:
             v = _field(row, path)
+            if path == "policy" and row.get("enforcement") == ENGINE:
+                v = f"{v} [engine]"
             if v is None or (isinstance(v, float) and math.isnan(v)):
                 cells.append("-")
             else:

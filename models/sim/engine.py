@@ -25,6 +25,14 @@ The scheduler mirrors vLLM V1's `Scheduler.schedule()` (vllm/v1/core/sched/sched
    whose `computed_tokens == num_tokens` emits one token; a request finishes when its output
    reaches `max_output_tokens`, and its blocks are freed.
 
+Per-step batch limit (optional, off by default): `set_batch_budget(budget)` models the
+engine plugin (`adapters.vllm_plugin`): each step, batch-class requests (running and
+waiting) together get at most `adapters.engine_budget.batch_tokens_per_step(budget,
+recent step time, floor)` tokens; a batch request left without tokens is skipped for the
+step (a waiting one ends the WAITING pass: under the priority policy every request behind
+it is batch too). Interactive requests are never held back. The recent step time is the
+plugin's `StepTimer` average of this replica's step durations.
+
 Prefix caching is off (every preempted or resubmitted request recomputes from scratch).
 
 API (all times are in the caller's clock, seconds; the engine keeps no clock of its own):
@@ -57,6 +65,12 @@ import heapq
 from collections import deque
 from dataclasses import dataclass, field
 
+from adapters.engine_budget import (
+    DEFAULT_MIN_BATCH_TOKENS_PER_STEP,
+    StepTimer,
+    batch_tokens_per_step,
+)
+from models.budget import Budget
 from models.errors import ConfigError
 from models.sim.profiles import StepProfile
 from models.sim.request import (
@@ -71,6 +85,9 @@ from models.sim.request import (
     Request,
 )
 
+# A decode span times only its last steps into the recent step time: the average forgets
+# older ones by then (0.8 ** 32 < 0.1%).
+SPAN_TIMED_STEPS = 32
 FCFS = "fcfs"
 PRIORITY = "priority"
 POLICIES = (FCFS, PRIORITY)
@@ -204,6 +221,10 @@ class Engine:
         self.num_preemptions = 0
         self._segments = profile.linear_coefficients()
         self._last_output: SchedulerOutput | None = None
+        self._batch_limited = False
+        self._batch_budget: Budget | None = None
+        self._step_timer = StepTimer()
+        self.min_batch_tokens_per_step = DEFAULT_MIN_BATCH_TOKENS_PER_STEP
 
     # -- queue helpers ---------------------------------------------------------------------
 
@@ -270,6 +291,20 @@ class Engine:
         req.status = ABORTED
         return req
 
+    def set_batch_budget(self, budget: Budget | None) -> None:
+        """Hold batch requests to `budget` in every step from now on (the engine plugin's
+        per-step limit; None: no record, so no batch tokens). Never called: no limit."""
+        self._batch_limited = True
+        self._batch_budget = budget
+
+    def batch_step_allowance(self) -> int | None:
+        """Batch tokens the next step may schedule; None when no per-step limit is set."""
+        if not self._batch_limited:
+            return None
+        return batch_tokens_per_step(
+            self._batch_budget, self._step_timer.recent_s, self.min_batch_tokens_per_step
+        )
+
     def has_work(self) -> bool:
         """True while any request is running or waiting."""
         waiting = self._waiting_count
@@ -335,6 +370,8 @@ class Engine:
         free = self.free_blocks
         decode_kv = 0
         pairs = 0
+        limited = self._batch_limited
+        batch_left = self.batch_step_allowance() if limited else 0
         i = 0
         while i < n_run and budget > 0:
             req = running[i]
@@ -350,6 +387,13 @@ class Engine:
                 if n <= 0:
                     i += 1
                     continue
+            if limited and req.klass == BATCH:
+                if n > batch_left:
+                    n = batch_left
+                    if n <= 0:
+                        i += 1
+                        continue
+                batch_left -= n
             need = (c + n + bs_1) // bs - req.blocks
             if need > free:
                 victim_is_req = False
@@ -361,6 +405,8 @@ class Engine:
                             if sreq is victim:
                                 del scheduled[j]
                                 budget += sn
+                                if limited and sreq.klass == BATCH:
+                                    batch_left += sn
                                 before = sreq.computed_tokens - sn
                                 sreq.computed_tokens = before
                                 if sn == 1:
@@ -380,6 +426,8 @@ class Engine:
                         break
                 n_run = len(running)
                 if victim_is_req:
+                    if limited and req.klass == BATCH:
+                        batch_left += n
                     if self._priority:
                         # vLLM: higher-priority running requests may fit in what it freed.
                         continue
@@ -409,6 +457,12 @@ class Engine:
                     n = thr
                 if n > budget:
                     n = budget
+                if limited and req.klass == BATCH:
+                    if n > batch_left:
+                        n = batch_left
+                        if n <= 0:
+                            break
+                    batch_left -= n
                 if full and (total + bs_1) // bs > free:
                     break
                 need = (n + bs_1) // bs
@@ -464,6 +518,8 @@ class Engine:
         self._last_output = None
         duration = self.step_duration_s(out)
         end = start_s + duration
+        if self._batch_limited:
+            self._step_timer.observe(duration)
         emitted: list[Request] = []
         emit = emitted.append
         first: list[Request] = []
@@ -577,6 +633,15 @@ class Engine:
         d = self.profile.decode_s_per_kv_token
         first = linear + d * kv
         growth = d * n_run
+        n_batch = self._running_count[BATCH]
+        if self._batch_limited and n_batch:
+            # The recent step time only moves towards the span's steps (>= `first`), so
+            # this allowance holds for every step of the span.
+            recent_s = min(self._step_timer.recent_s, first)
+            if n_batch > batch_tokens_per_step(
+                self._batch_budget, recent_s, self.min_batch_tokens_per_step
+            ):
+                return None
         horizon = until_s - start_s
         # The first k steps end at first*k + growth*k*(k-1)/2 <= horizon, so an observer at
         # `until_s` sees them all done, as it would have step by step.
@@ -607,6 +672,10 @@ class Engine:
         first, growth = span.first_step_s, span.growth_s
         duration = first * k + growth * k * (k - 1) / 2
         end = span.start_s + duration
+        if self._batch_limited:
+            timer = self._step_timer
+            for j in range(min(k, SPAN_TIMED_STEPS)):
+                timer.observe(first + growth * (k - min(k, SPAN_TIMED_STEPS) + j))
         bs = self.config.block_size
         bs_1 = bs - 1
         running = self.running

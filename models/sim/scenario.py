@@ -2,8 +2,9 @@
 
 A scenario fixes the fleet (replicas, profile, engine settings, router), the interactive
 workload (trace, target load, burst), the batch workload (backlog or fixed rate), optional
-replica failures and the SLO. Times that depend on the run length (burst, failure) are given
-as fractions of the duration so that a 20-minute and a one-hour run both contain them.
+replica failures, the SLO and how the batch budget is enforced (`enforcement`). Times that
+depend on the run length (burst, failure) are given as fractions of the duration so that a
+20-minute and a one-hour run both contain them.
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ from models.sim.profiles import DEFAULT_PROFILE
 ROUND_ROBIN = "round-robin"
 LEAST_TOKENS = "least-tokens"
 ROUTERS = (ROUND_ROBIN, LEAST_TOKENS)
+
+ADMISSION = "admission"  # batch budget enforced by the admission gate only
+ENGINE = "engine"  # the gate plus the engine plugin's per-step batch token limit
+ENFORCEMENTS = (ADMISSION, ENGINE)
 
 BACKLOG = "backlog"
 RATE = "rate"
@@ -94,6 +99,7 @@ class Scenario:
     window_s: float = 60.0
     observe_window_s: float = 5.0
     calibration_s: float = 3600.0
+    enforcement: str = ADMISSION
 
     def __post_init__(self) -> None:
         if self.replicas <= 0:
@@ -103,6 +109,10 @@ class Scenario:
         if not 0 < self.interactive_load < 1:
             raise InputError(
                 f"interactive load must be in (0, 1), got {self.interactive_load!r}"
+            )
+        if self.enforcement not in ENFORCEMENTS:
+            raise InputError(
+                f"enforcement must be one of {', '.join(ENFORCEMENTS)}, got {self.enforcement!r}"
             )
         if self.failure is not None and not 0 <= self.failure.replica < self.replicas:
             raise InputError(f"scenario {self.name}: failure replica out of range")

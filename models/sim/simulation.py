@@ -16,6 +16,7 @@ had computed count as recomputed work.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 import time
@@ -35,7 +36,7 @@ from models.sim.gate import BatchGate
 from models.sim.policies import PolicySpec
 from models.sim.profiles import get_profile
 from models.sim.request import ABORTED, BATCH, INTERACTIVE, Request
-from models.sim.scenario import BACKLOG, Scenario
+from models.sim.scenario import BACKLOG, ENGINE, Scenario
 from models.sim.trace import Lengths, Trace
 from models.sim.workload import BatchJob, BatchSource, interactive_arrivals
 
@@ -71,6 +72,7 @@ class RunResult:
         return {
             "policy": self.policy,
             "scenario": sc.name,
+            "enforcement": sc.enforcement,
             "duration_s": self.duration_s,
             "seed": self.seed,
             "wall_s": round(self.wall_s, 3),
@@ -142,6 +144,13 @@ class Simulation:
             INF if scenario.batch.mode == BACKLOG else 0.0
         )
         self.gate = BatchGate()
+        if scenario.enforcement == ENGINE:
+            for e in self.fleet.engines:
+                if not hasattr(e, "set_batch_budget"):
+                    raise InputError(
+                        f"enforcement {ENGINE!r} needs the native engine core, not {engine!r}"
+                    )
+                e.set_batch_budget(None)
         self.rec = metrics.Recorder(self.duration_s)
         self.now_s = 0.0
         self._heap: list[tuple[float, int, int, int]] = []
@@ -348,6 +357,8 @@ class Simulation:
     def publish(self, budget: Budget, now_s: float) -> None:
         """Enforce `budget` from `now_s`: gate it, revoke beyond its caps, admit within it."""
         self.gate.set_budget(budget, now_s)
+        if self.scenario.enforcement == ENGINE:
+            self._share_engine_budget(now_s)
         self.budget_timeline.append(
             {
                 "t_s": round(now_s, 3),
@@ -363,6 +374,19 @@ class Simulation:
             return
         self._revoke_over_caps(now_s)
         self._pump_batch(now_s)
+
+    def _share_engine_budget(self, now_s: float) -> None:
+        """Give each replica's per-step limit its share of the pool's batch rate (the
+        budget split over the replicas up), as a plugin configured with that share would."""
+        budget = self.gate.budget
+        up = sum(self.fleet.up)
+        if budget is not None and up:
+            budget = dataclasses.replace(
+                budget, batch_tokens_per_s=budget.batch_tokens_per_s / up
+            )
+        for r, engine in enumerate(self.fleet.engines):
+            self._settle(r, now_s)
+            engine.set_batch_budget(budget)  # type: ignore[attr-defined]
 
     def observe(self, pool: str, now_s: float) -> Observation:
         """Signals over the last `observe_window_s` seconds ending at `now_s`."""
@@ -440,6 +464,8 @@ class Simulation:
         if pending is not None:
             self._apply(pending)
         self.fleet.up[r] = False
+        if self.scenario.enforcement == ENGINE:
+            self._share_engine_budget(now)
         engine = self.fleet.engines[r]
         lost = list(engine.requests.values())
         for req in lost:
@@ -458,6 +484,8 @@ class Simulation:
 
     def _recover(self, r: int, now: float) -> None:
         self.fleet.up[r] = True
+        if self.scenario.enforcement == ENGINE:
+            self._share_engine_budget(now)
         self._pump_batch(now)
 
     # -- the loop --------------------------------------------------------------------------
