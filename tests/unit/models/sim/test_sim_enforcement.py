@@ -121,3 +121,14 @@ def test_sim_under_engine_enforcement_labels_its_row(
     assert data["enforcement"] == "engine"
     assert data["batch"]["computed_tokens_per_s"] > 0
     assert "| static:20000 [engine] |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("enforcement", "setpoint"), [("admission", 0.95), ("engine", 0.8)],
+                         ids=["admission", "engine"])
+def test_controller_itl_burn_setpoint_follows_the_enforcement(enforcement: str,
+                                                               setpoint: float) -> None:
+    """Engine enforcement gets its own ITL burn setpoint; admission keeps the default."""
+    from controller.closed_loop import controller_config
+
+    config = controller_config("pi", SEED.with_overrides(enforcement=enforcement))
+    assert config.pi.setpoint_itl_burn == setpoint
