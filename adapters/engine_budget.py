@@ -7,10 +7,15 @@
 A running batch request thus always gets at least `floor` tokens while the budget is open
 (never starved into holding its KV forever), and none once the budget is zero, missing or
 expired. `adapters.vllm_plugin` applies it inside vLLM's scheduler.
+
+The budget record is the pool's; each engine enforces its share (`engine_share`: rate and
+caps divided by the engines serving the pool, `BORROWD_POOL_ENGINES`). Applying the whole
+pool rate on every engine would let the allowance grow until batch fills whole steps.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections import deque
@@ -57,12 +62,15 @@ class PluginConfig:
     batch_priority: int = DEFAULT_BATCH_PRIORITY
     poll_s: float = DEFAULT_POLL_S
     min_batch_tokens_per_step: int = DEFAULT_MIN_BATCH_TOKENS_PER_STEP
+    engines_in_pool: int = 1
 
     def __post_init__(self) -> None:
         if not self.pool:
             raise ConfigError("BORROWD_POOL must name the pool whose budget this engine enforces")
         if not self.poll_s > 0:
             raise ConfigError(f"BORROWD_BUDGET_POLL_S must be > 0, got {self.poll_s!r}")
+        if self.engines_in_pool < 1:
+            raise ConfigError(f"BORROWD_POOL_ENGINES must be >= 1, got {self.engines_in_pool!r}")
         if self.min_batch_tokens_per_step < 1:
             raise ConfigError(
                 "BORROWD_MIN_BATCH_TOKENS_PER_STEP must be >= 1, "
@@ -72,7 +80,8 @@ class PluginConfig:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> PluginConfig:
         """Read `BORROWD_POOL` (required), `BORROWD_REDIS_URL`, `BORROWD_BATCH_PRIORITY`,
-        `BORROWD_BUDGET_POLL_S`, `BORROWD_MIN_BATCH_TOKENS_PER_STEP`."""
+        `BORROWD_BUDGET_POLL_S`, `BORROWD_MIN_BATCH_TOKENS_PER_STEP`, `BORROWD_POOL_ENGINES`
+        (how many engines share the pool's budget, default 1)."""
         from adapters.redis_conn import resolve_redis_url
 
         env = os.environ if env is None else env
@@ -84,6 +93,7 @@ class PluginConfig:
             poll_s=_env_number(env, "BORROWD_BUDGET_POLL_S", float, DEFAULT_POLL_S),
             min_batch_tokens_per_step=_env_number(env, "BORROWD_MIN_BATCH_TOKENS_PER_STEP", int,
                                                   DEFAULT_MIN_BATCH_TOKENS_PER_STEP),
+            engines_in_pool=_env_number(env, "BORROWD_POOL_ENGINES", int, 1),
         )
 
 
@@ -95,6 +105,20 @@ def _env_number(env: Mapping[str, str], name: str, kind: type, default: float) -
         return kind(text)
     except ValueError:
         raise ConfigError(f"{name} must be a {kind.__name__}, got {text!r}") from None
+
+
+def engine_share(budget: Budget | None, engines: int) -> Budget | None:
+    """One engine's share of a pool budget enforced by `engines` engines: the rate, the
+    burst and the caps divided among them (sequence cap at least 1 while the pool has one)."""
+    if budget is None or engines <= 1:
+        return budget
+    return dataclasses.replace(
+        budget,
+        batch_tokens_per_s=budget.batch_tokens_per_s / engines,
+        batch_burst_tokens=math.ceil(budget.batch_burst_tokens / engines),
+        max_batch_seqs=math.ceil(budget.max_batch_seqs / engines),
+        max_batch_kv_tokens=math.ceil(budget.max_batch_kv_tokens / engines),
+    )
 
 
 def batch_tokens_per_step(budget: Budget | None, recent_step_s: float, floor_tokens: int) -> int:

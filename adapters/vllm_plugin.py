@@ -44,6 +44,7 @@ from adapters.engine_budget import (
     StepTimer,
     batch_seq_cap,
     batch_tokens_per_step,
+    engine_share,
 )
 from models.budget import Budget
 
@@ -101,7 +102,9 @@ class BudgetEnforcement:
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         """vLLM's schedule with this step's batch allowance and sequence cap in force."""
-        self.budget = self.budget_source.current(self._clock())
+        self.budget = engine_share(
+            self.budget_source.current(self._clock()), self.plugin_config.engines_in_pool
+        )
         self.batch_allowance = batch_tokens_per_step(
             self.budget, self.step_timer.recent_s, self.plugin_config.min_batch_tokens_per_step
         )

@@ -16,7 +16,6 @@ had computed count as recomputed work.
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import math
 import time
@@ -24,6 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from adapters.engine_budget import engine_share
 from models.budget import Budget
 from models.errors import InputError
 from models.protocols import BudgetPolicy
@@ -378,12 +378,7 @@ class Simulation:
     def _share_engine_budget(self, now_s: float) -> None:
         """Give each replica's per-step limit its share of the pool's batch rate (the
         budget split over the replicas up), as a plugin configured with that share would."""
-        budget = self.gate.budget
-        up = sum(self.fleet.up)
-        if budget is not None and up:
-            budget = dataclasses.replace(
-                budget, batch_tokens_per_s=budget.batch_tokens_per_s / up
-            )
+        budget = engine_share(self.gate.budget, sum(self.fleet.up))
         for r, engine in enumerate(self.fleet.engines):
             self._settle(r, now_s)
             engine.set_batch_budget(budget)  # type: ignore[attr-defined]

@@ -11,6 +11,7 @@ from adapters.engine_budget import (
     StepTimer,
     batch_seq_cap,
     batch_tokens_per_step,
+    engine_share,
 )
 from models.budget import Budget, Mode, closed_budget
 from models.errors import ConfigError
@@ -94,3 +95,25 @@ def test_plugin_config_rejects_bad_env(env: dict[str, str], message: str) -> Non
     """A missing pool or a malformed value stops start-up naming the variable."""
     with pytest.raises(ConfigError, match=message):
         PluginConfig.from_env(env)
+
+
+def test_engine_share_divides_the_pool_budget() -> None:
+    """Each of N engines enforces 1/N of the pool's rate and caps (a seat at least)."""
+    pool = Budget(pool="chat", mode=Mode.OPEN, reason="r", batch_tokens_per_s=80_000.0,
+                  batch_burst_tokens=10_000, max_batch_seqs=6, max_batch_kv_tokens=100_001,
+                  max_batch_output_tokens=1024)
+    share = engine_share(pool, 4)
+    assert share is not None
+    assert share.batch_tokens_per_s == 20_000.0
+    assert (share.batch_burst_tokens, share.max_batch_seqs, share.max_batch_kv_tokens) == (
+        2_500, 2, 25_001)
+    assert share.max_batch_output_tokens == 1024
+    assert engine_share(pool, 1) is pool
+    assert engine_share(None, 4) is None
+
+
+@pytest.mark.parametrize(("text", "message"), [("0", ">= 1"), ("two", "int")], ids=["zero", "nan"])
+def test_pool_engines_from_env_is_validated(text: str, message: str) -> None:
+    """BORROWD_POOL_ENGINES must be a whole number >= 1, named in the error."""
+    with pytest.raises(ConfigError, match=f"BORROWD_POOL_ENGINES must be .*{message}"):
+        PluginConfig.from_env({"BORROWD_POOL": "chat", "BORROWD_POOL_ENGINES": text})
