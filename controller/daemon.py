@@ -9,6 +9,7 @@ policy does; nothing here enforces one: the adapters do.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import sys
@@ -36,7 +37,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from adapters.redis_conn import connect, redact_url
 from adapters.store import BudgetStore, FencedError, LeaderElection
 from controller.config import BorrowdConfig, PoolConfig
-from controller.policy import OUTPUTS, ControllerPolicy, build_policy
+from controller.policy import OUTPUTS, ControllerConfig, ControllerPolicy, build_policy
 from controller.prom_source import PrometheusSource, connect_prometheus
 from controller.sdnotify import Notifier
 from models.budget import Budget, Mode
@@ -520,12 +521,38 @@ def load_plant(pool: PoolConfig) -> PlantModel | None:
     return PlantModel.load(Path(pool.plant_file)) if pool.plant_file else None
 
 
+# The SLO-burn recording rules (deploy/prometheus/borrowd.rules.yml) count the share of
+# interactive samples above these bucket bounds.
+RULES_SLO_TTFT_S = 1.0
+RULES_SLO_ITL_S = 0.05
+
+
+def burn_matches_rules(controller: ControllerConfig) -> bool:
+    """True when the pool's SLOs are the bounds the burn recording rules measure against."""
+    return (
+        math.isclose(controller.slo_ttft_p95_s, RULES_SLO_TTFT_S)
+        and math.isclose(controller.slo_itl_p95_s, RULES_SLO_ITL_S)
+    )
+
+
 def build_policies(config: BorrowdConfig) -> dict[str, ControllerPolicy]:
-    """One controller policy per pool (reads plant files; no network)."""
-    return {
-        pool.name: build_policy(pool.controller, pool.name, load_plant(pool))
-        for pool in config.pools
-    }
+    """One controller policy per pool (reads plant files; no network).
+
+    A pool whose SLOs differ from the burn rules' bucket bounds controls on its p95s: the
+    burn read from Prometheus would measure a different line than its SLO.
+    """
+    policies = {}
+    for pool in config.pools:
+        controller = pool.controller
+        if controller.control_on_burn and not burn_matches_rules(controller):
+            structlog.get_logger("borrowd.daemon").warning(
+                "burn_off_for_slo", pool=pool.name, slo_ttft_p95_s=controller.slo_ttft_p95_s,
+                slo_itl_p95_s=controller.slo_itl_p95_s, rules_ttft_s=RULES_SLO_TTFT_S,
+                rules_itl_s=RULES_SLO_ITL_S,
+            )
+            controller = dataclasses.replace(controller, control_on_burn=False)
+        policies[pool.name] = build_policy(controller, pool.name, load_plant(pool))
+    return policies
 
 
 def build_daemon(

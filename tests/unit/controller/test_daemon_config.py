@@ -173,3 +173,16 @@ def test_every_field_is_documented(cls: type) -> None:
 
 def _capitalised(text: str) -> str:
     return text[0].upper() + text[1:]
+
+
+@pytest.mark.parametrize(
+    ("slos", "burn"),
+    [({}, True), ({"slo_itl_p95_s": 0.2, "slo_ttft_p95_s": 2.0}, False)],
+    ids=["default-slos-use-burn", "other-slos-fall-back-to-p95"],
+)
+def test_burn_is_used_only_where_the_rules_measure_the_pool_slo(slos: dict, burn: bool) -> None:
+    """The Prometheus burn rules count samples above 50 ms / 1 s; other SLOs use the p95s."""
+    from controller.daemon import build_policies
+
+    config = config_from_mapping(pool(controller=slos))
+    assert build_policies(config)["a"].config.control_on_burn is burn
