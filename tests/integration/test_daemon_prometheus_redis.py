@@ -9,7 +9,6 @@ stop within one budget lease; a standby daemon takes over with a newer epoch.
 from __future__ import annotations
 
 import itertools
-import shutil
 import signal
 import socket
 import time
@@ -22,20 +21,17 @@ import redis
 from adapters.gate import Gate
 from adapters.store import BudgetStore, PoolKeys
 from models.budget import Budget, Mode
-from tests.support.daemon_harness import events, metric_value, start_daemon
+from tests.support.daemon_harness import (
+    REAL_PROMETHEUS_AND_REDIS,
+    RULES,
+    events,
+    metric_value,
+    start_daemon,
+)
 from tests.support.fleet_metrics import FakeFleetMetrics
 from tests.support.servers import ServerProcess, start_prometheus, start_redis
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        shutil.which("prometheus") is None or shutil.which("redis-server") is None,
-        reason="needs prometheus and redis-server (Debian packages)",
-    ),
-]
-
-RULES = Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / "borrowd.rules.yml"
+pytestmark = REAL_PROMETHEUS_AND_REDIS
 POOL = "chat"
 TICK_S = 0.5
 TTL_MS = 1500

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import signal
 import subprocess
 import time
@@ -33,7 +32,13 @@ from controller.prom_source import connect_prometheus, parse_instant, query_rang
 from models.budget import Mode
 from models.errors import InputError
 from models.sim.trace import traces_dir
-from tests.support.daemon_harness import borrowd_command, start_daemon, to_toml
+from tests.support.daemon_harness import (
+    REAL_PROMETHEUS_AND_REDIS,
+    RULES,
+    borrowd_command,
+    start_daemon,
+    to_toml,
+)
 from tests.support.servers import (
     ServerProcess,
     free_port,
@@ -42,16 +47,7 @@ from tests.support.servers import (
     start_redis,
 )
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        shutil.which("prometheus") is None or shutil.which("redis-server") is None,
-        reason="needs prometheus and redis-server (Debian packages)",
-    ),
-]
-
-RULES = Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / "borrowd.rules.yml"
+pytestmark = REAL_PROMETHEUS_AND_REDIS
 POOL = "chat"
 INTERACTIVE_KEY = "e2e-chat-key"
 BATCH_KEY = "e2e-batch-key"

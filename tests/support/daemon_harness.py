@@ -13,8 +13,22 @@ import tempfile
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 from controller.config import toml_value
 from tests.support.servers import ServerProcess, free_port, start_process
+
+RULES = Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / "borrowd.rules.yml"
+
+# Marks of a test module that runs the daemon against real Prometheus and Redis.
+REAL_PROMETHEUS_AND_REDIS = [
+    pytest.mark.integration,
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        shutil.which("prometheus") is None or shutil.which("redis-server") is None,
+        reason="needs prometheus and redis-server (Debian packages)",
+    ),
+]
 
 
 def to_toml(data: dict, prefix: str = "") -> str:
