@@ -45,6 +45,7 @@ from tests.support.servers import (
     start_process,
     start_prometheus,
     start_redis,
+    wait_until,
 )
 
 pytestmark = REAL_PROMETHEUS_AND_REDIS
@@ -96,13 +97,8 @@ def _proxy_config(port: int, upstreams: list[str], redis_url: str) -> dict:
 
 
 def _wait(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"not within {timeout_s} s: {what}")
+    # Probing predicates admit batch work, so poll gently.
+    return wait_until(predicate, timeout_s, what, interval_s=0.1)
 
 
 def _instant(prom, expr: str) -> float:

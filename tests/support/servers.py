@@ -19,6 +19,9 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 def free_port() -> int:
@@ -37,13 +40,17 @@ def port_open(port: int, host: str = "127.0.0.1") -> bool:
         return False
 
 
-def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
-    """Poll `predicate` until true or raise TimeoutError naming `what`."""
+def wait_until(
+    predicate: Callable[[], T], timeout_s: float, what: str, interval_s: float = 0.02
+) -> T:
+    """Poll `predicate` every `interval_s` until it returns a true value, and return that
+    value; raise TimeoutError naming `what` after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.02)
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
     raise TimeoutError(f"timed out after {timeout_s} s waiting for {what}")
 
 
