@@ -1,16 +1,20 @@
 """Added latency and CPU cost of the borrowd proxy against direct calls to the emulator.
 
-Starts a redis-server, `borrowd emulate` and `borrowd proxy` as processes on free loopback
-ports, then, for each concurrency level, runs the same streaming chat load twice: straight
-to the emulator, then through the proxy (interactive key). Each of C concurrent streams
-sends requests back to back. The emulator stamps each chunk with when the request arrived
-and when the chunk was written (its `borrowd_timing` extension), so the latency outside the
-engine is measured per request and per chunk, free of the engine's step-time noise; the
-proxy's added latency is the proxied minus the direct percentile of that overhead. Also
-printed: end-to-end TTFT p50/p99 both ways and the proxy process's CPU per streamed chunk
-and per 1k tokens (psutil, user + system seconds).
+Starts a redis-server, `borrowd emulate`, `borrowd proxy` and, as a compiled reference, an
+nginx reverse proxy (streaming, `proxy_buffering off`, upstream keep-alive) as processes on
+free loopback ports. For each concurrency level C and each proxy, one run sends C streams
+straight to the emulator and C streams through the proxy at the same time (client i of each
+group replays the same requests), so both groups share the engine's steps and the
+machine's noise: on a shared 2-core VM, separate runs differed by more than the proxy's
+cost. Each stream sends streaming chat requests back to back. The emulator stamps each
+chunk with when the request arrived and when the chunk was written (its `borrowd_timing`
+extension), so the latency outside the engine is measured per request and per chunk, free
+of the engine's step times; a proxy's added latency is the proxied minus the direct
+percentile of that overhead. nginx shows what one more loopback hop costs here when the hop
+runs no Python. Also printed: end-to-end TTFT p50/p99 and the proxy's CPU per streamed
+chunk and per 1k tokens (psutil, user + system seconds).
 
-    python3 benchmarks/bench_proxy.py [--streams 1,50,200] [--duration-s 15]
+    python3 benchmarks/bench_proxy.py [--streams 1,50,200] [--duration-s 12]
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.support.servers import (
     ServerProcess,
     free_port,
+    start_nginx,
     start_process,
     start_redis,
 )
@@ -94,37 +99,40 @@ async def _one_stream(session: aiohttp.ClientSession, url: str, headers: dict[st
     result.requests += 1
 
 
-async def run_load(base_url: str, key: str | None, streams: int, duration_s: float,
-                   max_tokens: int) -> LoadResult:
-    """`streams` concurrent clients, each sending streaming chat requests back to back.
+async def run_load(targets: list[tuple[str, str | None]], streams: int, duration_s: float,
+                   max_tokens: int) -> list[LoadResult]:
+    """`streams` concurrent clients per target, all at once, each sending streaming chat
+    requests back to back; one result per target.
 
     Each request asks for a length drawn uniformly from [max_tokens / 2, 3 * max_tokens / 2]
-    (seeded per client, so the direct and the proxied run replay the same sequence): equal
-    lengths would finish every stream in the same engine step and make all of them arrive
-    again at once, a lockstep that real traffic does not have.
+    (client i of every target replays the same seeded sequence): equal lengths would finish
+    every stream in the same engine step and make all of them arrive again at once, a
+    lockstep that real traffic does not have.
     """
-    url = base_url + "/v1/chat/completions"
-    headers = {"Content-Type": "application/json"}
-    if key:
-        headers["Authorization"] = f"Bearer {key}"
     low, high = max(1, max_tokens // 2), max(1, max_tokens * 3 // 2)
     bodies = [json.dumps({"model": MODEL, "stream": True, "max_tokens": n,
                           "borrowd_prompt_tokens": PROMPT_TOKENS, "borrowd_timing": True,
                           "messages": [{"role": "user", "content": "benchmark " * 50}]}).encode()
               for n in range(low, high + 1)]
-    result = LoadResult()
+    results = [LoadResult() for _ in targets]
     deadline = time.monotonic() + duration_s
-    connector = aiohttp.TCPConnector(limit=0)
 
-    async def client(index: int) -> None:
+    async def client(index: int, url: str, headers: dict[str, str], result: LoadResult) -> None:
         rng = random.Random(index)
         await asyncio.sleep(index * 0.003)
         while time.monotonic() < deadline:
             await _one_stream(session, url, headers, rng.choice(bodies), result)
 
-    async with aiohttp.ClientSession(connector=connector) as session:
-        await asyncio.gather(*(client(i) for i in range(streams)))
-    return result
+    clients = []
+    for (base_url, key), result in zip(targets, results, strict=True):
+        headers = {"Content-Type": "application/json"}
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        clients.extend(client(i, base_url + "/v1/chat/completions", headers, result)
+                       for i in range(streams))
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        await asyncio.gather(*clients)
+    return results
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -135,8 +143,32 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def _cpu_s(pid: int) -> float:
-    times = psutil.Process(pid).cpu_times()
-    return times.user + times.system
+    """User + system CPU seconds of a process and its children (nginx's workers)."""
+    process = psutil.Process(pid)
+    total = 0.0
+    for proc in [process, *process.children(recursive=True)]:
+        times = proc.cpu_times()
+        total += times.user + times.system
+    return total
+
+
+def _start_nginx_relay(emulator_port: int) -> tuple[ServerProcess, int]:
+    """nginx as a plain streaming reverse proxy in front of the emulator."""
+    port = free_port()
+    blocks = f"""
+    upstream emulator {{ server 127.0.0.1:{emulator_port}; keepalive 1024; }}
+    server {{
+        listen 127.0.0.1:{port} backlog=1024;
+        access_log off;
+        location / {{
+            proxy_pass http://emulator;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+        }}
+    }}
+"""
+    return start_nginx(blocks, port, worker_connections=4096), port
 
 
 def _start_servers(workdir: Path, time_scale: float) -> tuple[list[ServerProcess], int, int]:
@@ -174,46 +206,53 @@ def main() -> int:
 
     workdir = Path(tempfile.mkdtemp(prefix="borrowd-bench-proxy-"))
     servers, emulator_port, proxy_port = _start_servers(workdir, args.time_scale)
-    proxy_pid = servers[0].pid
+    nginx, nginx_port = _start_nginx_relay(emulator_port)
+    servers.append(nginx)
+    hops = (("borrowd", servers[0].pid, proxy_port, KEY), ("nginx", nginx.pid, nginx_port, None))
+    direct_url = f"http://127.0.0.1:{emulator_port}"
     rows = []
     try:
         for streams in levels:
-            direct = uvloop.run(run_load(f"http://127.0.0.1:{emulator_port}", None, streams,
-                                          args.duration_s, args.max_tokens))
-            cpu_before = _cpu_s(proxy_pid)
-            proxied = uvloop.run(run_load(f"http://127.0.0.1:{proxy_port}", KEY, streams,
-                                           args.duration_s, args.max_tokens))
-            cpu_s = _cpu_s(proxy_pid) - cpu_before
-            rows.append((streams, direct, proxied, cpu_s))
+            for via, pid, port, key in hops:
+                cpu_before = _cpu_s(pid)
+                direct, proxied = uvloop.run(run_load(
+                    [(direct_url, None), (f"http://127.0.0.1:{port}", key)], streams,
+                    args.duration_s, args.max_tokens))
+                rows.append((streams, via, direct, proxied, _cpu_s(pid) - cpu_before))
     finally:
         for server in servers:
             server.stop()
 
-    print(f"borrowd proxy vs direct to the emulator: {args.duration_s:g} s per run, "
+    print(f"proxies vs direct to the emulator, paired: {args.duration_s:g} s per run, "
           f"{args.max_tokens // 2}-{args.max_tokens * 3 // 2} tokens per request, "
           f"emulator time scale {args.time_scale:g}, "
           f"{psutil.cpu_count()} CPUs, load average {psutil.getloadavg()[0]:.1f}")
-    print(f"{'streams':>7} {'reqs d/p':>10} {'TTFT p50 ms d/p':>16} {'TTFT p99 ms d/p':>16} "
-          f"{'+TTFT p50 ms':>12} {'+TTFT p99 ms':>12} {'+chunk p50 ms':>13} "
-          f"{'+chunk p99 ms':>13} {'CPU us/chunk':>12} {'CPU s/1k tok':>12} {'errors':>6}")
-    for streams, d, p, cpu_s in rows:
+    print(f"{'streams':>7} {'via':>7} {'reqs d/p':>10} {'TTFT p50 ms d/p':>16} "
+          f"{'TTFT p99 ms d/p':>16} {'+TTFT p50 ms':>12} {'+TTFT p99 ms':>12} "
+          f"{'+chunk p50 ms':>13} {'+chunk p99 ms':>13} {'CPU us/chunk':>12} "
+          f"{'CPU s/1k tok':>12} {'errors':>6}")
+    for streams, via, d, p, cpu_s in rows:
         def added(q: float, a: list[float], b: list[float]) -> str:
             return f"{(_pct(b, q) - _pct(a, q)) * 1e3:+.3f}"
         per_chunk_us = cpu_s / p.chunks * 1e6 if p.chunks else float("nan")
         per_1k_s = cpu_s / p.chunks * 1000 if p.chunks else float("nan")
         ttft50 = f"{_pct(d.ttft_s, 0.5) * 1e3:.1f}/{_pct(p.ttft_s, 0.5) * 1e3:.1f}"
         ttft99 = f"{_pct(d.ttft_s, 0.99) * 1e3:.1f}/{_pct(p.ttft_s, 0.99) * 1e3:.1f}"
-        print(f"{streams:>7} {f'{d.requests}/{p.requests}':>10} {ttft50:>16} {ttft99:>16} "
+        print(f"{streams:>7} {via:>7} {f'{d.requests}/{p.requests}':>10} {ttft50:>16} "
+              f"{ttft99:>16} "
               f"{added(0.5, d.ttft_overhead_s, p.ttft_overhead_s):>12} "
               f"{added(0.99, d.ttft_overhead_s, p.ttft_overhead_s):>12} "
               f"{added(0.5, d.chunk_delivery_s, p.chunk_delivery_s):>13} "
               f"{added(0.99, d.chunk_delivery_s, p.chunk_delivery_s):>13} "
               f"{per_chunk_us:>12.1f} {per_1k_s:>12.3f} {d.errors + p.errors:>6}")
-    print("d = direct, p = through the proxy. +TTFT: added to the TTFT overhead outside the "
-          "engine (client send -> emulator arrival, plus first-chunk delivery), proxied minus "
-          "direct percentile; +chunk: the same for every chunk's delivery (emulator write -> "
-          "client read). Timestamps from the emulator's `borrowd_timing` extension "
-          "(CLOCK_MONOTONIC, one host). One chunk = one token.")
+    print("Each row is one run: `streams` clients straight to the emulator (d) and `streams` "
+          "clients through the proxy named in `via` (p: borrowd, or nginx as a compiled "
+          "reference hop) at the same time, on the same engine steps and the same machine "
+          "noise. +TTFT: added to the TTFT overhead outside the engine (client send -> "
+          "emulator arrival, plus first-chunk delivery), p minus d percentile; +chunk: the "
+          "same for every chunk's delivery (emulator write -> client read). Timestamps from "
+          "the emulator's `borrowd_timing` extension (CLOCK_MONOTONIC, one host). One chunk = "
+          "one token; CPU is the proxy's (nginx: master and worker).")
     return 0
 
 

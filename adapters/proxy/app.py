@@ -1,14 +1,16 @@
-"""The proxy's aiohttp application: authenticate, classify, admit, forward, measure, revoke.
+"""The proxy's request handling: authenticate, classify, admit, forward, measure, revoke.
 
 Per request: API key -> tenant -> class (a header may demote to batch, never promote);
 body validated (400 names the field); batch requests pass the gate (429/503 when denied)
 and get `max_tokens` clamped to the budget's output cap; the body is forwarded with
-vLLM's `priority` injected to the upstream with the fewest outstanding requests, over one
-shared keep-alive `ClientSession`. Streams are relayed event by event; a revoked batch
-stream ends with a `preempted` chunk carrying its text and usage so far. Batch requests are
-always streamed from the upstream (a non-streaming batch client gets the response assembled
-by the proxy), so they too can be revoked resumably. Interactive non-streaming requests are
-passed through unchanged (no TTFT is observable for them).
+vLLM's `priority` injected to the upstream with the fewest outstanding requests, over
+keep-alive connections. Streams are relayed event by event from the upstream connection's
+data callback straight to the client's (`http1`, `upstream_http`: no task switch per
+chunk); a revoked batch stream ends with a `preempted` chunk carrying its text and usage so
+far. Batch requests are always streamed from the upstream (a non-streaming batch client
+gets the response assembled by the proxy), so they too can be revoked resumably.
+Interactive non-streaming requests are passed through unchanged (no TTFT is observable for
+them).
 """
 
 from __future__ import annotations
@@ -23,12 +25,11 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import aiohttp
-from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from adapters.proxy.admission import BatchAdmitter, GateLike
 from adapters.proxy.config import ProxyConfig, RequestClass, Tenant
+from adapters.proxy.http1 import HttpRequest, HttpServer, Responder
 from adapters.proxy.metrics import ProxyMetrics
 from adapters.proxy.openai import (
     CompletionRequest,
@@ -39,7 +40,8 @@ from adapters.proxy.openai import (
     rewrite_body,
 )
 from adapters.proxy.revocation import BatchRegistry, BatchStream, renew_leases, watch_revocations
-from adapters.proxy.sse import StreamTally, event_data, split_events
+from adapters.proxy.sse import StreamTally, event_payload, take_complete
+from adapters.proxy.upstream_http import UpstreamClient, UpstreamError, UpstreamResponse
 from adapters.proxy.upstreams import Upstream, UpstreamPool
 
 log = logging.getLogger(__name__)
@@ -51,6 +53,8 @@ MAX_WAIT_HEADER = "X-Borrowd-Max-Wait-S"
 
 INTERACTIVE = RequestClass.INTERACTIVE.value
 BATCH = RequestClass.BATCH.value
+_GENERATE = {"/v1/chat/completions": Endpoint.CHAT, "/v1/completions": Endpoint.COMPLETIONS}
+_GET = ("/v1/models", "/metrics", "/health")
 
 
 @dataclass(slots=True)
@@ -77,6 +81,70 @@ class UpstreamFailure(Exception):
         self.outcome = outcome
 
 
+class _Relay:
+    """Forwards one upstream SSE stream to its client, chunk by chunk, measuring as it goes.
+
+    `on_body` runs in the upstream connection's data callback: it takes the complete
+    events, tallies each payload (token? usage-only?), observes TTFT on the first token and
+    ITL between tokens, and writes the events on unchanged (less usage-only chunks the
+    client did not ask for) in one write.
+    """
+
+    __slots__ = ("_buffer", "_clock", "_ex", "_itl", "_last_token_s", "_metrics", "_out",
+                 "_strip_usage", "_tally", "_ttft", "done")
+
+    def __init__(self, ex: Exchange, tally: StreamTally, out: Responder | None,
+                 metrics: ProxyMetrics, clock: Callable[[], float], strip_usage: bool) -> None:
+        self._ex = ex
+        self._tally = tally
+        self._out = out
+        self._metrics = metrics
+        self._ttft = metrics.ttft[ex.request_class]
+        self._itl = metrics.itl[ex.request_class]
+        self._clock = clock
+        self._strip_usage = strip_usage
+        self._buffer = bytearray()
+        self._last_token_s = -1.0
+        self.done: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+
+    def on_body(self, data: bytes) -> None:
+        """Take, tally and forward the complete events in `data`."""
+        complete = take_complete(self._buffer, data)
+        if not complete:
+            return
+        kept: list[bytes] | None = None
+        events = complete.split(b"\n\n")
+        for index, event in enumerate(events):
+            payload = event_payload(event) if event else None
+            if payload is None:
+                continue
+            has_token, usage_only = self._tally.observe(payload)
+            if has_token:
+                now_s = self._clock()
+                if self._last_token_s < 0:
+                    self._ttft.observe(now_s - self._ex.arrived_s)
+                    self._metrics.tracker.settled(self._ex.request_class, self._ex.request_id)
+                else:
+                    self._itl.observe(now_s - self._last_token_s)
+                self._last_token_s = now_s
+            if usage_only and self._strip_usage:
+                if kept is None:
+                    kept = [e for e in events[:index] if e]
+                continue
+            if kept is not None:
+                kept.append(event)
+        if self._out is not None:
+            if kept is None:
+                self._out.write(complete)
+            elif kept:
+                self._out.write(b"\n\n".join(kept) + b"\n\n")
+
+    def on_end(self, failure: str) -> None:
+        """The upstream response ended ("" when complete, else why not)."""
+        if not self.done.done():
+            self.done.set_result(failure)
+
+
 class ProxyServer:
     """State of one proxy: config, metrics, upstream pool, gate and in-flight batch work."""
 
@@ -90,33 +158,17 @@ class ProxyServer:
         self.upstreams = UpstreamPool(config.upstreams)
         self.admitter = BatchAdmitter(gate, config.admission, clock)
         self.batch = BatchRegistry()
-        self.session: aiohttp.ClientSession | None = None
+        self.client: UpstreamClient | None = None
         self._background: list[asyncio.Task] = []
         self._stopped = asyncio.Event()
         self._pending: set[asyncio.Task] = set()
 
-    # -- application -------------------------------------------------------------------
+    # -- lifecycle ---------------------------------------------------------------------
 
-    def build_app(self) -> web.Application:
-        """The aiohttp application (start it with handler cancellation on)."""
-        app = web.Application(client_max_size=self.config.max_body_bytes)
-        app.router.add_post("/v1/chat/completions", self._chat)
-        app.router.add_post("/v1/completions", self._completions)
-        app.router.add_get("/v1/models", self._models)
-        app.router.add_get("/metrics", self._metrics)
-        app.router.add_get("/health", self._health)
-        app.on_startup.append(self._start)
-        app.on_cleanup.append(self._stop)
-        return app
-
-    async def _start(self, _app: web.Application) -> None:
+    async def start(self) -> None:
+        """Open the upstream client and start revocation watching and lease renewal."""
         cfg = self.config
-        self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60.0),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=cfg.upstream_connect_timeout_s,
-                                          sock_read=cfg.upstream_read_timeout_s),
-            auto_decompress=False,
-        )
+        self.client = UpstreamClient(cfg.upstream_connect_timeout_s, cfg.upstream_read_timeout_s)
         self._background = [
             asyncio.create_task(watch_revocations(self.gate, self.batch, self._revoked,
                                                   self._stopped)),
@@ -124,25 +176,27 @@ class ProxyServer:
                                              cfg.admission.lease_ms / 3000.0, self._stopped)),
         ]
 
-    async def _stop(self, _app: web.Application) -> None:
+    async def stop(self) -> None:
+        """Stop background work, let pending releases finish, close upstream connections."""
         self._stopped.set()
         for task in self._background:
             task.cancel()
         # A Redis call being cancelled may not return promptly (redis-py reconnect logic);
         # never let that hold the shutdown.
-        await asyncio.wait(self._background, timeout=1.0)
+        if self._background:
+            await asyncio.wait(self._background, timeout=1.0)
         if self._pending:
             await asyncio.wait(self._pending, timeout=self.config.admission.gate_timeout_s * 2)
-        if self.session is not None:
-            await self.session.close()
+        if self.client is not None:
+            await self.client.close()
 
     def _revoked(self, request_id: str) -> None:
         log.info("revoked batch request %s", request_id)
 
     # -- helpers -----------------------------------------------------------------------
 
-    def _tenant(self, request: web.Request) -> Tenant | None:
-        header = request.headers.get("Authorization", "")
+    def _tenant(self, request: HttpRequest) -> Tenant | None:
+        header = request.headers.get("authorization", "")
         scheme, _, key = header.partition(" ")
         if scheme.lower() != "bearer" or not key:
             return None
@@ -168,70 +222,82 @@ class ProxyServer:
 
     # -- handlers ----------------------------------------------------------------------
 
-    async def _health(self, _request: web.Request) -> web.Response:
-        return web.Response(text="ok\n")
+    async def handle(self, request: HttpRequest, out: Responder) -> None:
+        """Route one request."""
+        endpoint = _GENERATE.get(request.path)
+        if endpoint is not None and request.method == "POST":
+            await self._generate(request, out, endpoint)
+        elif request.path in _GET and request.method in ("GET", "HEAD"):
+            if request.path == "/metrics":
+                out.respond(200, generate_latest(self.registry), content_type=CONTENT_TYPE_LATEST)
+            elif request.path == "/health":
+                out.respond(200, b"ok\n", content_type="text/plain")
+            else:
+                await self._models(request, out)
+        elif endpoint is not None or request.path in _GET:
+            allow = "POST" if endpoint is not None else "GET"
+            _error(out, 405, f"{request.method} is not allowed on {request.path} (use {allow})",
+                   "invalid_request_error", headers={"Allow": allow})
+        else:
+            _error(out, 404, f"no route {request.path}", "not_found_error")
 
-    async def _metrics(self, _request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(self.registry),
-                            headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-    async def _models(self, request: web.Request) -> web.Response:
+    async def _models(self, request: HttpRequest, out: Responder) -> None:
         if self._tenant(request) is None:
-            return _error(401, "missing or unknown API key (Authorization: Bearer KEY)",
-                          "authentication_error")
-        assert self.session is not None
+            _error(out, 401, "missing or unknown API key (Authorization: Bearer KEY)",
+                   "authentication_error")
+            return
+        assert self.client is not None
         upstream = self.upstreams.candidates()[0]
         try:
-            async with self.session.get(upstream.base_url + "/v1/models",
-                                        headers=self._upstream_headers("models")) as resp:
-                body = await resp.read()
-                if resp.status >= 500:
-                    return _error(502, f"upstream {upstream.base_url} answered {resp.status}",
-                                  "upstream_error")
-                return web.Response(status=resp.status, body=body,
-                                    content_type="application/json")
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            return _error(502, f"upstream {upstream.base_url} unreachable: {exc!r}",
-                          "upstream_error")
+            resp = await self.client.request(upstream.base_url, "GET", "/v1/models",
+                                             self._upstream_headers("models"))
+            body = await resp.read()
+        except UpstreamError as exc:
+            _error(out, 502, f"upstream {upstream.base_url} unreachable: {exc}",
+                   "upstream_error")
+            return
+        if resp.status >= 500:
+            _error(out, 502, f"upstream {upstream.base_url} answered {resp.status}",
+                   "upstream_error")
+            return
+        out.respond(resp.status, body)
 
-    async def _chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, Endpoint.CHAT)
-
-    async def _completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, Endpoint.COMPLETIONS)
-
-    async def _generate(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+    async def _generate(self, request: HttpRequest, out: Responder, endpoint: Endpoint) -> None:
         arrived_s = self.clock()
         tenant = self._tenant(request)
         if tenant is None:
-            return _error(401, "missing or unknown API key (Authorization: Bearer KEY)",
-                          "authentication_error")
+            _error(out, 401, "missing or unknown API key (Authorization: Bearer KEY)",
+                   "authentication_error")
+            return
+        if request.too_large:
+            _error(out, 413, f"request body exceeds {self.config.max_body_bytes} bytes",
+                   "invalid_request_error", field="body")
+            return
         try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            return _error(413, f"request body exceeds {self.config.max_body_bytes} bytes",
-                          "invalid_request_error", field="body")
-        try:
-            req = parse_completion_request(raw, endpoint)
-            request_class = _request_class(tenant, request.headers.get(CLASS_HEADER))
+            req = parse_completion_request(request.body, endpoint)
+            request_class = _request_class(tenant, request.headers.get(CLASS_HEADER.lower()))
         except FieldError as exc:
-            return _error(400, str(exc), "invalid_request_error", field=exc.field)
+            _error(out, 400, str(exc), "invalid_request_error", field=exc.field)
+            return
         ex = Exchange(request_id=f"borrowd-{uuid.uuid4().hex}", request_class=request_class,
                       arrived_s=arrived_s, request=req, requested_max_tokens=req.max_tokens,
                       prompt_tokens=req.prompt_tokens)
         if request_class == INTERACTIVE:
-            return await self._forward(request, ex, req.max_tokens, None)
-        return await self._batch(request, ex)
+            await self._forward(out, ex, req.max_tokens, None)
+        else:
+            await self._batch(request, out, ex)
 
-    async def _batch(self, request: web.Request, ex: Exchange) -> web.StreamResponse:
+    async def _batch(self, request: HttpRequest, out: Responder, ex: Exchange) -> None:
         req = ex.request
         if req.n != 1:
-            return _error(400, "n: batch requests take n = 1 (send one request per sequence)",
-                          "invalid_request_error", field="n")
+            _error(out, 400, "n: batch requests take n = 1 (send one request per sequence)",
+                   "invalid_request_error", field="n")
+            return
         try:
-            max_wait_s = _max_wait_s(request.headers.get(MAX_WAIT_HEADER))
+            max_wait_s = _max_wait_s(request.headers.get(MAX_WAIT_HEADER.lower()))
         except FieldError as exc:
-            return _error(400, str(exc), "invalid_request_error", field=exc.field)
+            _error(out, 400, str(exc), "invalid_request_error", field=exc.field)
+            return
         requested = req.max_tokens or self.config.admission.default_batch_max_tokens
         try:
             decision = await self.admitter.admit(ex.request_id, req.prompt_tokens, requested,
@@ -243,19 +309,19 @@ class ProxyServer:
         if not decision.admitted:
             self.metrics.finished(BATCH, decision.outcome, 0, 0)
             kind = "rate_limit_exceeded" if decision.status == 429 else "service_unavailable"
-            return _error(decision.status, f"batch request not admitted: {decision.reason}",
-                          kind, retry_after_s=decision.retry_after_s)
+            _error(out, decision.status, f"batch request not admitted: {decision.reason}",
+                   kind, retry_after_s=decision.retry_after_s)
+            return
         ex.requested_max_tokens = requested
         stream = self.batch.add(ex.request_id)
         try:
-            return await self._forward(request, ex, min(requested, decision.max_output_tokens),
-                                       stream)
+            await self._forward(out, ex, min(requested, decision.max_output_tokens), stream)
         finally:
             self.batch.remove(ex.request_id)
             self._spawn(self._release(ex.request_id, ex.output_tokens))
 
-    async def _forward(self, request: web.Request, ex: Exchange, max_tokens: int | None,
-                       batch_stream: BatchStream | None) -> web.StreamResponse:
+    async def _forward(self, out: Responder, ex: Exchange, max_tokens: int | None,
+                       batch_stream: BatchStream | None) -> None:
         req = ex.request
         klass = ex.request_class
         cfg = self.config
@@ -274,24 +340,26 @@ class ProxyServer:
                 upstream, resp = await self._open(req.endpoint, body, ex.request_id)
             except UpstreamFailure as exc:
                 ex.outcome = exc.outcome
-                return _error(exc.status, str(exc), "upstream_error")
+                _error(out, exc.status, str(exc), "upstream_error")
+                return
+            # Everything below that drops this exchange's connection must not touch the
+            # connection once it went back to the pool for another request.
+            abort = resp.aborter()
             try:
                 if resp.status != 200:
-                    return await self._relay_error(resp, upstream)
+                    await self._relay_error(out, resp, upstream)
+                    return
                 if batch_stream is not None:
-                    batch_stream.attach(resp.close)
+                    batch_stream.attach(abort)
                 if req.stream:
-                    return await self._pipe(request, resp, ex, batch_stream, max_tokens)
-                if upstream_streams:
-                    return await self._collect(resp, ex, batch_stream, max_tokens)
-                return await self._passthrough(resp, ex)
-            finally:
-                # A fully read response returns its keep-alive connection to the pool; any
-                # other ending drops the connection, which makes vLLM abort the request.
-                if resp.content.at_eof() and not (batch_stream and batch_stream.revoked):
-                    resp.release()
+                    await self._pipe(out, resp, ex, batch_stream, max_tokens)
+                elif upstream_streams:
+                    await self._collect(out, resp, ex, batch_stream, max_tokens)
                 else:
-                    resp.close()
+                    await self._passthrough(out, resp, ex)
+            finally:
+                # A response not read to its end drops its connection: vLLM aborts it.
+                abort()
                 UpstreamPool.release(upstream)
         except asyncio.CancelledError:
             ex.outcome = "client_disconnect"
@@ -306,47 +374,59 @@ class ProxyServer:
                 metrics.revocations.inc()
 
     async def _open(self, endpoint: Endpoint, body: bytes, request_id: str
-                    ) -> tuple[Upstream, aiohttp.ClientResponse]:
-        assert self.session is not None
+                    ) -> tuple[Upstream, UpstreamResponse]:
+        assert self.client is not None
         headers = self._upstream_headers(request_id)
         failures = []
         for upstream in self.upstreams.candidates():
             UpstreamPool.acquire(upstream)
             try:
-                resp = await self.session.post(upstream.base_url + endpoint.path, data=body,
-                                               headers=headers)
+                resp = await self.client.request(upstream.base_url, "POST", endpoint.path,
+                                                 headers, body)
                 return upstream, resp
-            except aiohttp.ClientConnectorError as exc:
+            except UpstreamError as exc:
                 UpstreamPool.release(upstream)
-                failures.append(f"{upstream.base_url}: {exc.strerror or exc!r}")
-            except (TimeoutError, aiohttp.ClientError) as exc:
-                UpstreamPool.release(upstream)
-                if isinstance(exc, asyncio.TimeoutError):
+                if exc.kind == "connect":
+                    failures.append(f"{upstream.base_url}: {exc}")
+                    continue
+                if exc.kind == "timeout":
                     raise UpstreamFailure(504, "timeout",
                                           f"upstream {upstream.base_url} timed out") from None
                 raise UpstreamFailure(502, "error",
-                                      f"upstream {upstream.base_url} failed: {exc!r}") from None
+                                      f"upstream {upstream.base_url} failed: {exc}") from None
+            except BaseException:
+                UpstreamPool.release(upstream)
+                raise
         raise UpstreamFailure(502, "error", "no upstream reachable: " + "; ".join(failures))
 
-    async def _relay_error(self, resp: aiohttp.ClientResponse, upstream: Upstream
-                           ) -> web.Response:
-        body = await resp.read()
+    async def _relay_error(self, out: Responder, resp: UpstreamResponse,
+                           upstream: Upstream) -> None:
+        try:
+            body = await resp.read()
+        except UpstreamError as exc:
+            body = str(exc).encode()
         if resp.status < 500:
-            return web.Response(status=resp.status, body=body,
-                                content_type=resp.content_type or "application/json")
+            out.respond(resp.status, body,
+                        content_type=resp.headers.get("content-type", "application/json"))
+            return
         snippet = body[:300].decode(errors="replace")
-        return _error(502, f"upstream {upstream.base_url} answered {resp.status}: {snippet}",
-                      "upstream_error")
+        _error(out, 502, f"upstream {upstream.base_url} answered {resp.status}: {snippet}",
+               "upstream_error")
 
-    async def _passthrough(self, resp: aiohttp.ClientResponse, ex: Exchange) -> web.Response:
-        body = await resp.read()
+    async def _passthrough(self, out: Responder, resp: UpstreamResponse, ex: Exchange) -> None:
+        try:
+            body = await resp.read()
+        except UpstreamError as exc:
+            ex.outcome = "timeout" if exc.kind == "timeout" else "error"
+            _error(out, 502, f"upstream failed mid-response: {exc}", "upstream_error")
+            return
         ex.outcome = "success"
         with contextlib.suppress(ValueError, TypeError, AttributeError):
             usage = json.loads(body).get("usage") or {}
             ex.prompt_tokens = int(usage.get("prompt_tokens", ex.prompt_tokens))
             ex.output_tokens = int(usage.get("completion_tokens", 0))
-        return web.Response(status=200, body=body, content_type="application/json",
-                            headers={"X-Request-Id": ex.request_id, CLASS_HEADER: ex.request_class})
+        out.respond(200, body, headers={"X-Request-Id": ex.request_id,
+                                        CLASS_HEADER: ex.request_class})
 
     def _settle(self, ex: Exchange, tally: StreamTally, batch_stream: BatchStream | None,
                 max_tokens: int | None, failure: str) -> str:
@@ -365,92 +445,41 @@ class ProxyServer:
         ex.outcome = "timeout" if failure == "timeout" else "error"
         return f"upstream failed mid-stream: {failure or 'connection closed early'}"
 
-    async def _pipe(self, request: web.Request, resp: aiohttp.ClientResponse, ex: Exchange,
-                    batch_stream: BatchStream | None, max_tokens: int | None
-                    ) -> web.StreamResponse:
+    async def _pipe(self, out: Responder, resp: UpstreamResponse, ex: Exchange,
+                    batch_stream: BatchStream | None, max_tokens: int | None) -> None:
         req = ex.request
-        klass = ex.request_class
-        response = web.StreamResponse(status=200, headers={
-            "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-            "X-Request-Id": ex.request_id, CLASS_HEADER: klass,
-        })
-        await response.prepare(request)
+        out.start_stream(200, {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                               "X-Request-Id": ex.request_id, CLASS_HEADER: ex.request_class})
         tally = ex.tally = StreamTally(req.endpoint, keep_payloads=batch_stream is not None)
-        strip_usage = not req.include_usage
-        clock = self.clock
-        metrics = self.metrics
-        itl = metrics.itl[klass]
-        last_token_s = -1.0
-        buffer = bytearray()
-        failure = ""
-        try:
-            async for data in resp.content.iter_any():
-                buffer += data
-                out = []
-                for event in split_events(buffer):
-                    payload = event_data(event)
-                    if payload is not None:
-                        has_token, usage_only = tally.observe(payload)
-                        if has_token:
-                            now_s = clock()
-                            if last_token_s < 0:
-                                metrics.ttft[klass].observe(now_s - ex.arrived_s)
-                                metrics.tracker.settled(klass, ex.request_id)
-                            else:
-                                itl.observe(now_s - last_token_s)
-                            last_token_s = now_s
-                        if usage_only and strip_usage:
-                            continue
-                    out.append(event)
-                if out:
-                    await response.write(out[0] if len(out) == 1 else b"".join(out))
-        except ConnectionResetError:
-            ex.outcome = "client_disconnect"
-            return response
-        except TimeoutError:
-            failure = "timeout"
-        except aiohttp.ClientError as exc:
-            failure = repr(exc)
+        relay = _Relay(ex, tally, out, self.metrics, self.clock,
+                       strip_usage=not req.include_usage)
+        out.on_flow(resp.pauser(), resp.resumer())
+        resp.stream(relay.on_body, relay.on_end)
+        failure = await relay.done
         resume_reason = self._settle(ex, tally, batch_stream, max_tokens, failure)
-        with contextlib.suppress(ConnectionResetError):
-            if resume_reason and batch_stream is not None:
-                await response.write(tally.preempted_chunk(ex.request_id, req.model,
-                                                           ex.prompt_tokens, resume_reason))
-            elif resume_reason:
-                await response.write(b"data: " + error_body(502, resume_reason,
-                                                            kind="upstream_error")
-                                     + b"\n\ndata: [DONE]\n\n")
-            await response.write_eof()
-        return response
+        if resume_reason and batch_stream is not None:
+            out.write(tally.preempted_chunk(ex.request_id, req.model, ex.prompt_tokens,
+                                            resume_reason))
+        elif resume_reason:
+            out.write(b"data: " + error_body(502, resume_reason, kind="upstream_error")
+                      + b"\n\ndata: [DONE]\n\n")
+        out.end()
 
-    async def _collect(self, resp: aiohttp.ClientResponse, ex: Exchange,
-                       batch_stream: BatchStream | None, max_tokens: int | None) -> web.Response:
+    async def _collect(self, out: Responder, resp: UpstreamResponse, ex: Exchange,
+                       batch_stream: BatchStream | None, max_tokens: int | None) -> None:
         req = ex.request
-        klass = ex.request_class
         tally = ex.tally = StreamTally(req.endpoint, keep_payloads=True)
-        buffer = bytearray()
-        failure = ""
-        first = True
-        try:
-            async for data in resp.content.iter_any():
-                buffer += data
-                for event in split_events(buffer):
-                    payload = event_data(event)
-                    if payload is not None and tally.observe(payload)[0] and first:
-                        first = False
-                        self.metrics.ttft[klass].observe(self.clock() - ex.arrived_s)
-                        self.metrics.tracker.settled(klass, ex.request_id)
-        except TimeoutError:
-            failure = "timeout"
-        except aiohttp.ClientError as exc:
-            failure = repr(exc)
+        relay = _Relay(ex, tally, None, self.metrics, self.clock, strip_usage=False)
+        resp.stream(relay.on_body, relay.on_end)
+        failure = await relay.done
         resume_reason = self._settle(ex, tally, batch_stream, max_tokens, failure)
         if resume_reason and batch_stream is None:
-            return _error(502, resume_reason, "upstream_error")
+            _error(out, 502, resume_reason, "upstream_error")
+            return
         body = tally.completion_body(ex.request_id, req.model, ex.prompt_tokens,
                                      preempted_reason=resume_reason)
-        return web.Response(status=200, body=body, content_type="application/json",
-                            headers={"X-Request-Id": ex.request_id, CLASS_HEADER: klass})
+        out.respond(200, body, headers={"X-Request-Id": ex.request_id,
+                                        CLASS_HEADER: ex.request_class})
 
 
 def _request_class(tenant: Tenant, header: str | None) -> str:
@@ -477,22 +506,39 @@ def _max_wait_s(header: str | None) -> float | None:
     return value
 
 
-def _error(status: int, message: str, kind: str, *, field: str | None = None,
-           retry_after_s: float | None = None) -> web.Response:
-    headers = {}
+def _error(out: Responder, status: int, message: str, kind: str, *,
+           field: str | None = None, retry_after_s: float | None = None,
+           headers: dict[str, str] | None = None) -> None:
+    all_headers = dict(headers or {})
     if retry_after_s is not None:
-        headers["Retry-After"] = str(max(1, math.ceil(retry_after_s)))
-    return web.Response(status=status, body=error_body(status, message, kind=kind, field=field),
-                        content_type="application/json", headers=headers)
+        all_headers["Retry-After"] = str(max(1, math.ceil(retry_after_s)))
+    out.respond(status, error_body(status, message, kind=kind, field=field),
+                headers=all_headers)
+
+
+@dataclass(frozen=True)
+class ProxyRunner:
+    """A running proxy: its listening server and its state; `cleanup()` stops both."""
+
+    http: HttpServer
+    server: ProxyServer
+    shutdown_timeout_s: float
+
+    async def cleanup(self) -> None:
+        """Stop accepting, give requests in flight the shutdown timeout, then stop."""
+        await self.http.cleanup(self.shutdown_timeout_s)
+        await self.server.stop()
 
 
 async def serve(server: ProxyServer, host: str, port: int,
-                shutdown_timeout_s: float = 5.0) -> web.AppRunner:
-    """Start `server` on host:port (handler cancellation on, so a client disconnect aborts
-    the upstream request); returns the runner to clean up."""
-    runner = web.AppRunner(server.build_app(), handler_cancellation=True, access_log=None,
-                           shutdown_timeout=shutdown_timeout_s)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port, backlog=1024)
-    await site.start()
-    return runner
+                shutdown_timeout_s: float = 5.0) -> ProxyRunner:
+    """Start `server` on host:port (a client that disconnects cancels its request, which
+    aborts the upstream request); returns the runner to clean up."""
+    await server.start()
+    http = HttpServer(server.handle, server.config.max_body_bytes)
+    try:
+        await http.start(host, port)
+    except BaseException:
+        await server.stop()
+        raise
+    return ProxyRunner(http, server, shutdown_timeout_s)

@@ -19,21 +19,36 @@ PREEMPTED = "preempted"
 """`finish_reason` of a batch stream the proxy ended on a revocation: resume from its text."""
 
 
-def split_events(buffer: bytearray) -> list[bytes]:
-    """Remove every complete event (ending in a blank line) from `buffer` and return them."""
-    end = buffer.rfind(b"\n\n")
-    if end < 0:
-        return []
-    complete = bytes(buffer[: end + 2])
-    del buffer[: end + 2]
-    return [event + b"\n\n" for event in complete.split(b"\n\n") if event]
+def take_complete(buffer: bytearray, data: bytes) -> bytes:
+    """Append `data` to the partial event in `buffer`; return every complete event (each
+    ends in a blank line) and leave the partial tail in `buffer`.
+
+    The usual chunk is whole events with nothing pending: it is returned as it came.
+    """
+    if not buffer:
+        cut = data.rfind(b"\n\n") + 2
+        if cut == 1:
+            buffer += data
+            return b""
+        if cut < len(data):
+            buffer += data[cut:]
+            return data[:cut]
+        return data
+    buffer += data
+    cut = buffer.rfind(b"\n\n") + 2
+    if cut == 1:
+        return b""
+    complete = bytes(buffer[:cut])
+    del buffer[:cut]
+    return complete
 
 
-def event_data(event: bytes) -> bytes | None:
-    """The payload of an event's `data:` line, or None for comments and other fields."""
+def event_payload(event: bytes) -> bytes | None:
+    """The payload of an event's `data:` line (event without its blank line), or None for
+    comments and other fields."""
     # Fast path: one `data: ...` line, the only shape vLLM sends.
-    if event.startswith(b"data: ") and event.find(b"\n") == len(event) - 2:
-        return event[6:-2]
+    if event.startswith(b"data: ") and b"\n" not in event:
+        return event[6:]
     for line in event.split(b"\n"):
         if line.startswith(b"data:"):
             return line[5:].strip()

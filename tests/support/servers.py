@@ -222,7 +222,7 @@ def _http_ok(url: str) -> bool:
         return False
 
 
-def start_nginx(server_blocks: str, port: int) -> ServerProcess:
+def start_nginx(server_blocks: str, port: int, worker_connections: int = 256) -> ServerProcess:
     """A throw-away nginx (foreground, own prefix and temp dirs) serving `server_blocks`.
 
     `server_blocks` is the text inside `http { }`; it must listen on 127.0.0.1:`port`.
@@ -240,7 +240,7 @@ master_process on;
 worker_processes 1;
 pid {workdir}/nginx.pid;
 error_log {workdir}/error.log info;
-events {{ worker_connections 256; }}
+events {{ worker_connections {worker_connections}; }}
 http {{
     access_log {workdir}/access.log;
     client_body_temp_path {workdir}/body;

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from adapters.proxy.openai import Endpoint
-from adapters.proxy.sse import PREEMPTED, StreamTally, event_data, split_events
+from adapters.proxy.sse import PREEMPTED, StreamTally, event_payload, take_complete
 
 
 def _chat_chunk(text: str | None, finish: str | None = None, usage: dict | None = None) -> bytes:
@@ -29,17 +29,31 @@ def _chat_chunk(text: str | None, finish: str | None = None, usage: dict | None 
     ],
     ids=["two-complete", "one-partial", "none-complete", "comment"],
 )
-def test_split_events_keeps_partial_tail(stream: bytes, events: list[bytes], rest: bytes) -> None:
-    """Only complete events leave the buffer; a partial one waits for more bytes."""
-    buffer = bytearray(stream)
-    assert split_events(buffer) == events
+def test_take_complete_keeps_partial_tail(stream: bytes, events: list[bytes], rest: bytes) -> None:
+    """Only complete events are taken; a partial one waits in the buffer for more bytes,
+    whether the stream comes in one piece or byte by byte."""
+    buffer = bytearray()
+    assert take_complete(buffer, stream) == b"".join(events)
+    assert bytes(buffer) == rest
+    buffer = bytearray()
+    taken = b"".join(take_complete(buffer, stream[i:i + 1]) for i in range(len(stream)))
+    assert taken == b"".join(events)
     assert bytes(buffer) == rest
 
 
-def test_event_data_reads_the_data_line() -> None:
+def test_take_complete_joins_a_pending_tail() -> None:
+    """A partial event completed by the next read comes out whole, with what followed it."""
+    buffer = bytearray()
+    assert take_complete(buffer, b"data: a\n") == b""
+    assert take_complete(buffer, b"\ndata: b\n\ndata: c") == b"data: a\n\ndata: b\n\n"
+    assert bytes(buffer) == b"data: c"
+
+
+def test_event_payload_reads_the_data_line() -> None:
     """The payload of the data line, None for a comment."""
-    assert event_data(b"data: {\"a\":1}\n\n") == b'{"a":1}'
-    assert event_data(b": keep-alive\n\n") is None
+    assert event_payload(b"data: {\"a\":1}") == b'{"a":1}'
+    assert event_payload(b"event: x\ndata:  y") == b"y"
+    assert event_payload(b": keep-alive") is None
 
 
 def test_tally_counts_tokens_text_and_usage() -> None:

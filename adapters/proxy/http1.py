@@ -1,0 +1,377 @@
+"""The proxy's client-facing HTTP/1.1 server: asyncio protocols with httptools' C parser.
+
+A streamed chunk must cost the proxy as little as possible: an engine step releases one
+chunk per running stream at once, and the last of 200 waits for the 199 before it. Through
+aiohttp each chunk woke a handler task and ran its response writer (~50-70 us). Here the
+upstream's data callback writes the chunk straight to the client's transport (`Responder.
+write`, chunked framing in one `transport.write`), with no task switch per chunk. Requests
+are parsed by httptools; each runs one handler task; pipelined requests on a connection
+are answered in order; a client that disconnects cancels its handler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import email.utils
+import logging
+import socket
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any, cast
+
+import httptools
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class HttpRequest:
+    """One parsed request; header names are lower case."""
+
+    method: str
+    path: str
+    query: str
+    headers: Mapping[str, str]
+    body: bytes
+    too_large: bool = False
+
+
+Handler = Callable[[HttpRequest, "Responder"], Awaitable[None]]
+
+
+class _DateCache:
+    """The `Date` header value, formatted at most once a second."""
+
+    def __init__(self) -> None:
+        self._second = -1
+        self._value = b""
+
+    def value(self) -> bytes:
+        now = int(time.time())
+        if now != self._second:
+            self._second = now
+            self._value = email.utils.formatdate(now, usegmt=True).encode()
+        return self._value
+
+
+_DATE = _DateCache()
+_REASONS = {status.value: status.phrase.encode() for status in HTTPStatus}
+
+
+def response_head(status: int, headers: Mapping[str, str], *, keep_alive: bool,
+                  content_length: int | None) -> bytes:
+    """Status line and headers of a response; chunked when `content_length` is None."""
+    lines = [b"HTTP/1.1 %d %s" % (status, _REASONS.get(status, b"Unknown")),
+             b"Date: " + _DATE.value(), b"Server: borrowd"]
+    lines.extend(f"{name}: {value}".encode("latin-1") for name, value in headers.items())
+    if content_length is None:
+        lines.append(b"Transfer-Encoding: chunked")
+    else:
+        lines.append(b"Content-Length: %d" % content_length)
+    if not keep_alive:
+        lines.append(b"Connection: close")
+    lines.append(b"\r\n")
+    return b"\r\n".join(lines)
+
+
+class Responder:
+    """Writes the response to one request and reports the client's state to its handler.
+
+    A handler calls `respond` once, or `start_stream`, any number of `write`s, then `end`.
+    `on_flow(pause, resume)` registers callbacks for the client's write buffer crossing its
+    high and low marks, so a stream's upstream can stop reading while the client is slow.
+    """
+
+    __slots__ = ("_conn", "_flow", "finished", "keep_alive", "started")
+
+    def __init__(self, conn: _Connection, keep_alive: bool) -> None:
+        self._conn = conn
+        self.keep_alive = keep_alive
+        self.started = False
+        self.finished = False
+        self._flow: tuple[Callable[[], None], Callable[[], None]] | None = None
+
+    @property
+    def closed(self) -> bool:
+        """The client has gone (writes are dropped)."""
+        return self._conn.closed
+
+    def respond(self, status: int, body: bytes, *, content_type: str = "application/json",
+                headers: Mapping[str, str] | None = None) -> None:
+        """Send a whole response."""
+        all_headers = {"Content-Type": content_type, **(headers or {})}
+        self.started = self.finished = True
+        self._conn.write(response_head(status, all_headers, keep_alive=self.keep_alive,
+                                       content_length=len(body)) + body)
+
+    def start_stream(self, status: int, headers: Mapping[str, str]) -> None:
+        """Send the head of a chunked response."""
+        self.started = True
+        self._conn.write(response_head(status, headers, keep_alive=self.keep_alive,
+                                       content_length=None))
+
+    def write(self, data: bytes) -> None:
+        """Send `data` as one chunk of a started stream (empty data is skipped)."""
+        if data:
+            self._conn.write(b"%x\r\n%b\r\n" % (len(data), data))
+
+    def end(self) -> None:
+        """End a started stream."""
+        if not self.finished:
+            self.finished = True
+            self._conn.write(b"0\r\n\r\n")
+
+    def on_flow(self, pause: Callable[[], None], resume: Callable[[], None]) -> None:
+        """Call `pause` when the client's write buffer is full, `resume` when it drains."""
+        self._flow = (pause, resume)
+        if self._conn.writing_paused:
+            pause()
+
+    def _pause(self) -> None:
+        if self._flow is not None:
+            self._flow[0]()
+
+    def _resume(self) -> None:
+        if self._flow is not None:
+            self._flow[1]()
+
+
+class _Connection(asyncio.Protocol):
+    """One client connection: parse requests, run their handler tasks one at a time."""
+
+    def __init__(self, server: HttpServer) -> None:
+        self._server = server
+        self._parser = httptools.HttpRequestParser(self)
+        self._transport: asyncio.Transport | None = None
+        self.closed = False
+        self.writing_paused = False
+        self._pending: deque[tuple[HttpRequest, bool]] = deque()
+        self._task: asyncio.Task | None = None
+        self._responder: Responder | None = None
+        self._url = b""
+        self._headers: dict[str, str] = {}
+        self._body: list[bytes] = []
+        self._body_bytes = 0
+        self._too_large = False
+
+    # -- transport -------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._server.connections.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._server.connections.discard(self)
+        self._pending.clear()
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+        if self.writing_paused and self._responder is not None:
+            self.writing_paused = False
+            self._responder._resume()
+
+    def pause_writing(self) -> None:
+        self.writing_paused = True
+        if self._responder is not None:
+            self._responder._pause()
+
+    def resume_writing(self) -> None:
+        self.writing_paused = False
+        if self._responder is not None:
+            self._responder._resume()
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._refuse(400, b"protocol upgrades are not supported")
+        except httptools.HttpParserError as exc:
+            self._refuse(400, f"malformed HTTP request: {exc}".encode())
+
+    def write(self, data: bytes) -> None:
+        """Write to the client unless it has gone."""
+        if not self.closed and self._transport is not None:
+            self._transport.write(data)
+
+    def close(self) -> None:
+        """Close the connection (a handler's task, if any, is cancelled)."""
+        if self._transport is not None and not self.closed:
+            self._transport.close()
+
+    def _refuse(self, status: int, message: bytes) -> None:
+        """Answer a request that could not be parsed, then close."""
+        if self._task is None:
+            body = b'{"error":{"message":"%b","type":"invalid_request_error","code":%d}}' % (
+                message.replace(b'"', b"'"), status)
+            self.write(response_head(status, {"Content-Type": "application/json"},
+                                     keep_alive=False, content_length=len(body)) + body)
+        if self._transport is not None:
+            self._transport.close()
+
+    # -- httptools callbacks -----------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self._url = b""
+        self._headers = {}
+        self._body = []
+        self._body_bytes = 0
+        self._too_large = False
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        key = name.decode("latin-1").lower()
+        text = value.decode("latin-1")
+        previous = self._headers.get(key)
+        self._headers[key] = text if previous is None else f"{previous}, {text}"
+
+    def on_headers_complete(self) -> None:
+        length = self._headers.get("content-length", "")
+        if length.isdigit() and int(length) > self._server.max_body_bytes:
+            self._too_large = True
+        elif self._headers.get("expect", "").lower() == "100-continue":
+            self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+    def on_body(self, body: bytes) -> None:
+        if self._too_large:
+            return
+        self._body_bytes += len(body)
+        if self._body_bytes > self._server.max_body_bytes:
+            self._too_large = True
+            self._body = []
+        else:
+            self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        url = httptools.parse_url(self._url) if self._url else None
+        request = HttpRequest(
+            method=self._parser.get_method().decode("latin-1"),
+            path=url.path.decode("latin-1") if url and url.path else "/",
+            query=url.query.decode("latin-1") if url and url.query else "",
+            headers=self._headers, body=b"".join(self._body), too_large=self._too_large)
+        keep_alive = self._parser.should_keep_alive() and not self._too_large
+        self._pending.append((request, keep_alive))
+        if self._task is None:
+            self._next()
+
+    # -- handlers ----------------------------------------------------------------------
+
+    def _next(self) -> None:
+        if self.closed or not self._pending:
+            self._task = None
+            self._responder = None
+            return
+        request, keep_alive = self._pending.popleft()
+        responder = Responder(self, keep_alive)
+        self._responder = responder
+        self._task = start_eagerly(self._run(request, responder))
+
+    async def _run(self, request: HttpRequest, responder: Responder) -> None:
+        try:
+            await self._server.handler(request, responder)
+        except asyncio.CancelledError:
+            self.close()
+            return
+        except Exception:
+            log.exception("handler failed on %s %s", request.method, request.path)
+            if not responder.started:
+                responder.keep_alive = False
+                responder.respond(500, b'{"error":{"message":"internal proxy error",'
+                                       b'"type":"internal_error","code":500}}')
+            self.close()
+            return
+        if not responder.finished:
+            log.error("handler left %s %s unanswered", request.method, request.path)
+            self.close()
+            return
+        if not responder.keep_alive:
+            self.close()
+            return
+        self._next()
+
+
+def start_eagerly(coro: Coroutine[Any, Any, None]) -> asyncio.Task:
+    """Run `coro` at once up to its first suspension, then on as a task (what Python 3.12's
+    eager task factory does).
+
+    A request's handler then writes its upstream request from the callback that parsed it,
+    instead of after every other ready callback of this loop iteration: during a burst of
+    streamed chunks that wait was most of the proxy's added TTFT. The returned task carries
+    the rest; cancelling it cancels what the coroutine waits on, as for any task.
+    """
+    try:
+        blocked_on = coro.send(None)
+    except StopIteration:
+        blocked_on = _FINISHED
+    except BaseException as exc:  # surfaces as the task's exception, as in a task
+        blocked_on = exc
+    return asyncio.get_running_loop().create_task(_drive(coro, blocked_on))
+
+
+_FINISHED = object()
+
+
+async def _drive(coro: Coroutine[Any, Any, None], blocked_on: Any) -> None:
+    """Step `coro` each time what it yielded (a future, or None for a bare yield) is done."""
+    if blocked_on is _FINISHED:
+        return
+    if isinstance(blocked_on, BaseException):
+        raise blocked_on
+    while True:
+        cancelled = False
+        try:
+            if blocked_on is None:
+                await asyncio.sleep(0)
+            else:
+                # Hand the future over as a task step does; awaiting it again needs this.
+                blocked_on._asyncio_future_blocking = False
+                await blocked_on
+        except asyncio.CancelledError:
+            # A cancelled future raises inside `coro` when it resumes; otherwise (a bare
+            # yield, or the future was already done) the cancellation is thrown in.
+            cancelled = not (isinstance(blocked_on, asyncio.Future) and blocked_on.cancelled())
+        except Exception:
+            pass  # the future failed: its exception is raised inside `coro` when it resumes
+        try:
+            blocked_on = coro.throw(asyncio.CancelledError()) if cancelled else coro.send(None)
+        except StopIteration:
+            return
+
+
+class HttpServer:
+    """A listening HTTP/1.1 server; `cleanup()` stops it."""
+
+    def __init__(self, handler: Handler, max_body_bytes: int) -> None:
+        self.handler = handler
+        self.max_body_bytes = max_body_bytes
+        self.connections: set[_Connection] = set()
+        self._server: asyncio.base_events.Server | None = None
+
+    async def start(self, host: str, port: int, backlog: int = 1024) -> None:
+        """Listen on host:port."""
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: _Connection(self), host, port,
+                                                backlog=backlog, reuse_address=True)
+
+    async def cleanup(self, shutdown_timeout_s: float = 5.0) -> None:
+        """Stop listening, give running handlers `shutdown_timeout_s`, then close every
+        connection (which cancels what still runs)."""
+        if self._server is not None:
+            self._server.close()
+        tasks = [c._task for c in self.connections if c._task is not None and not c._task.done()]
+        if tasks:
+            await asyncio.wait(tasks, timeout=shutdown_timeout_s)
+        for conn in list(self.connections):
+            conn.close()
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 1.0)
