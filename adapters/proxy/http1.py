@@ -148,6 +148,7 @@ class _Connection(asyncio.Protocol):
         self._parser = httptools.HttpRequestParser(self)
         self._transport: asyncio.Transport | None = None
         self.closed = False
+        self._closing = False
         self.writing_paused = False
         self._pending: deque[tuple[HttpRequest, bool]] = deque()
         self._task: asyncio.Task | None = None
@@ -203,12 +204,13 @@ class _Connection(asyncio.Protocol):
 
     def close(self) -> None:
         """Close the connection (a handler's task, if any, is cancelled)."""
+        self._closing = True
         if self._transport is not None and not self.closed:
             self._transport.close()
 
     def _refuse(self, status: int, message: bytes) -> None:
         """Answer a request that could not be parsed, then close."""
-        if self._task is None:
+        if self._task is None or self._task.done():
             body = b'{"error":{"message":"%b","type":"invalid_request_error","code":%d}}' % (
                 message.replace(b'"', b"'"), status)
             self.write(response_head(status, {"Content-Type": "application/json"},
@@ -266,14 +268,20 @@ class _Connection(asyncio.Protocol):
     # -- handlers ----------------------------------------------------------------------
 
     def _next(self) -> None:
-        if self.closed or not self._pending:
-            self._task = None
-            self._responder = None
+        self._task = None
+        self._responder = None
+        if self.closed or self._closing or not self._pending:
             return
         request, keep_alive = self._pending.popleft()
         responder = Responder(self, keep_alive)
         self._responder = responder
-        self._task = start_eagerly(self._run(request, responder))
+        task = self._task = start_eagerly(self._run(request, responder))
+        task.add_done_callback(self._answered)
+
+    def _answered(self, task: asyncio.Task) -> None:
+        """The handler of the current request ended: go on with a pipelined one, if any."""
+        if task is self._task:
+            self._next()
 
     async def _run(self, request: HttpRequest, responder: Responder) -> None:
         try:
@@ -295,8 +303,6 @@ class _Connection(asyncio.Protocol):
             return
         if not responder.keep_alive:
             self.close()
-            return
-        self._next()
 
 
 def start_eagerly(coro: Coroutine[Any, Any, None]) -> asyncio.Task:
