@@ -62,6 +62,15 @@ _DATE = _DateCache()
 _REASONS = {status.value: status.phrase.encode() for status in HTTPStatus}
 
 
+def no_delay(transport: asyncio.BaseTransport) -> asyncio.Transport:
+    """Turn Nagle off on a TCP transport (a chunk must leave at once); return it typed."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return cast(asyncio.Transport, transport)  # uvloop's transports are no subclass
+
+
 def response_head(status: int, headers: Mapping[str, str], *, keep_alive: bool,
                   content_length: int | None) -> bytes:
     """Status line and headers of a response; chunked when `content_length` is None."""
@@ -162,11 +171,7 @@ class _Connection(asyncio.Protocol):
     # -- transport -------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._transport = no_delay(transport)
         self._server.connections.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:

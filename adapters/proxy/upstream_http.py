@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import ssl
 import time
 from collections.abc import Callable, Mapping
-from typing import cast
 from urllib.parse import urlsplit
 
 import httptools
+
+from adapters.proxy.http1 import no_delay
 
 BodySink = Callable[[bytes], None]
 EndSink = Callable[[str], None]
@@ -80,11 +80,7 @@ class UpstreamResponse(asyncio.Protocol):
     # -- transport -------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.transport = no_delay(transport)
 
     def data_received(self, data: bytes) -> None:
         self.received_bytes += len(data)
