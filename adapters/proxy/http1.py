@@ -25,6 +25,8 @@ from typing import Any, cast
 
 import httptools
 
+from adapters.proxy.openai import error_body
+
 log = logging.getLogger(__name__)
 
 
@@ -198,9 +200,9 @@ class _Connection(asyncio.Protocol):
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
-            self._refuse(400, b"protocol upgrades are not supported")
+            self._refuse(400, "protocol upgrades are not supported")
         except httptools.HttpParserError as exc:
-            self._refuse(400, f"malformed HTTP request: {exc}".encode())
+            self._refuse(400, f"malformed HTTP request: {exc}")
 
     def write(self, data: bytes) -> None:
         """Write to the client unless it has gone."""
@@ -213,15 +215,13 @@ class _Connection(asyncio.Protocol):
         if self._transport is not None and not self.closed:
             self._transport.close()
 
-    def _refuse(self, status: int, message: bytes) -> None:
+    def _refuse(self, status: int, message: str) -> None:
         """Answer a request that could not be parsed, then close."""
         if self._task is None or self._task.done():
-            body = b'{"error":{"message":"%b","type":"invalid_request_error","code":%d}}' % (
-                message.replace(b'"', b"'"), status)
+            body = error_body(status, message, kind="invalid_request_error")
             self.write(response_head(status, {"Content-Type": "application/json"},
                                      keep_alive=False, content_length=len(body)) + body)
-        if self._transport is not None:
-            self._transport.close()
+        self.close()
 
     # -- httptools callbacks -----------------------------------------------------------
 
@@ -298,8 +298,8 @@ class _Connection(asyncio.Protocol):
             log.exception("handler failed on %s %s", request.method, request.path)
             if not responder.started:
                 responder.keep_alive = False
-                responder.respond(500, b'{"error":{"message":"internal proxy error",'
-                                       b'"type":"internal_error","code":500}}')
+                responder.respond(500, error_body(500, "internal proxy error",
+                                                  kind="internal_error"))
             self.close()
             return
         if not responder.finished:
