@@ -4,23 +4,31 @@ Interactive traces come as the Azure LLM inference CSV (`TIMESTAMP,ContextTokens
 GeneratedTokens`, absolute timestamps) or as JSONL (`timestamp` in ms, `input_length`,
 `output_length`). Arrival times are made relative to the first request. Batch lengths come
 from the vidur summarization CSV (`num_prefill_tokens,num_decode_tokens,...`).
-A malformed file raises `InputError` naming the file and the line.
+A malformed file raises `InputError` naming the file and the line. Any file may be
+gzip-compressed (`.gz`).
+
+The default traces ship inside the package, compressed (`models/sim/data/`, licences and
+attribution in `models/sim/data/LICENSES.md`); `$BORROWD_TRACES_DIR` names another folder
+to read bare trace names from.
 """
 
 from __future__ import annotations
 
 import csv
+import gzip
 import json
 import os
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 
 from models.errors import InputError
 
 TRACES_ENV = "BORROWD_TRACES_DIR"
+PACKAGED_TRACES_DIR = Path(__file__).resolve().parent / "data"
 AZURE_HEADER = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 LENGTHS_HEADER = ("num_prefill_tokens", "num_decode_tokens")
 
@@ -56,27 +64,42 @@ class Lengths:
 
 
 def traces_dir() -> Path:
-    """Folder of the shared traces: $BORROWD_TRACES_DIR, else `../shared/traces` of the repo."""
+    """Folder bare trace names are read from: $BORROWD_TRACES_DIR, else the packaged traces."""
     env = os.environ.get(TRACES_ENV)
-    path = Path(env) if env else Path(__file__).resolve().parents[2].parent / "shared" / "traces"
+    if not env:
+        return PACKAGED_TRACES_DIR
+    path = Path(env)
     if not path.is_dir():
-        raise InputError(f"traces folder {path} does not exist (set {TRACES_ENV})")
+        raise InputError(f"traces folder {path} does not exist (set by {TRACES_ENV})")
     return path
 
 
 def resolve_trace(name_or_path: str | Path) -> Path:
-    """A trace path as given if it has a folder part or exists, else inside `traces_dir()`."""
+    """A trace path as given if it has a folder part or exists, else inside `traces_dir()`
+    (as named, or its `.gz` when only that is there)."""
     path = Path(name_or_path)
     if path.exists() or len(path.parts) > 1:
         return path
-    return traces_dir() / path
+    found = traces_dir() / path
+    if not found.exists():
+        packed = found.with_name(found.name + ".gz")
+        if packed.exists():
+            return packed
+    return found
+
+
+def _open_text(path: Path) -> IO[str]:
+    """A text handle on `path`, decompressing a `.gz` file."""
+    if path.suffix == ".gz":
+        return gzip.open(path, "rt", encoding="utf-8", newline="")
+    return path.open("r", encoding="utf-8", newline="")
 
 
 def load_trace(path: str | Path) -> Trace:
     """Read an interactive trace, CSV (Azure) or JSONL by its content; sorted by arrival."""
     path = Path(path)
     try:
-        with path.open("r", encoding="utf-8") as fh:
+        with _open_text(path) as fh:
             first = fh.readline()
             fh.seek(0)
             if first.lstrip().startswith("{"):
@@ -85,7 +108,7 @@ def load_trace(path: str | Path) -> Trace:
                 rows = _read_azure_csv(path, fh)
     except FileNotFoundError:
         raise InputError(f"trace file {path} does not exist") from None
-    except (OSError, UnicodeDecodeError) as exc:
+    except (OSError, EOFError, UnicodeDecodeError) as exc:
         raise InputError(f"trace file {path} cannot be read: {exc}") from None
     if not rows:
         raise InputError(f"trace file {path} holds no requests")
@@ -105,7 +128,7 @@ def load_lengths(path: str | Path) -> Lengths:
     prompts: list[int] = []
     outputs: list[int] = []
     try:
-        with path.open("r", encoding="utf-8", newline="") as fh:
+        with _open_text(path) as fh:
             reader = csv.reader(fh)
             header = next(reader, None)
             if header is None or tuple(header[:2]) != LENGTHS_HEADER:
@@ -122,7 +145,7 @@ def load_lengths(path: str | Path) -> Lengths:
                 )
     except FileNotFoundError:
         raise InputError(f"lengths file {path} does not exist") from None
-    except (OSError, UnicodeDecodeError) as exc:
+    except (OSError, EOFError, UnicodeDecodeError) as exc:
         raise InputError(f"lengths file {path} cannot be read: {exc}") from None
     if not prompts:
         raise InputError(f"lengths file {path} holds no rows")

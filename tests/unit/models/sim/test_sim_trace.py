@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 from pathlib import Path
 
 import numpy as np
@@ -9,7 +10,14 @@ import pytest
 
 from models.errors import InputError
 from models.sim.scenario import BatchWorkload
-from models.sim.trace import Trace, load_lengths, load_trace, traces_dir
+from models.sim.trace import (
+    PACKAGED_TRACES_DIR,
+    Trace,
+    load_lengths,
+    load_trace,
+    resolve_trace,
+    traces_dir,
+)
 from models.sim.workload import BatchSource, interactive_arrivals
 
 AZURE = """TIMESTAMP,ContextTokens,GeneratedTokens
@@ -75,19 +83,47 @@ def test_missing_trace_is_named(tmp_path: Path) -> None:
 
 
 def test_missing_traces_dir_is_named(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """An unset or wrong traces folder raises InputError naming the path."""
+    """A $BORROWD_TRACES_DIR that does not exist raises InputError naming the path."""
     monkeypatch.setenv("BORROWD_TRACES_DIR", str(tmp_path / "none"))
     with pytest.raises(InputError, match="none does not exist"):
         traces_dir()
 
 
-def test_shared_traces_load() -> None:
-    """The real shared chat trace and summarization lengths load in full."""
-    trace = load_trace(traces_dir() / "azure2023_conv.csv")
+def test_packaged_traces_are_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without $BORROWD_TRACES_DIR, bare names resolve to the compressed packaged traces."""
+    monkeypatch.delenv("BORROWD_TRACES_DIR", raising=False)
+    assert traces_dir() == PACKAGED_TRACES_DIR
+    path = resolve_trace("azure2023_conv.csv")
+    assert path == PACKAGED_TRACES_DIR / "azure2023_conv.csv.gz"
+    assert path.is_file()
+
+
+def test_traces_dir_env_overrides(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """$BORROWD_TRACES_DIR wins over the packaged traces, plain or gzip-compressed."""
+    (tmp_path / "mine.csv").write_text(AZURE)
+    with gzip.open(tmp_path / "packed.csv.gz", "wt") as fh:
+        fh.write(AZURE)
+    monkeypatch.setenv("BORROWD_TRACES_DIR", str(tmp_path))
+    assert resolve_trace("mine.csv") == tmp_path / "mine.csv"
+    assert list(load_trace(resolve_trace("packed.csv")).prompt_tokens) == [374, 10, 396]
+
+
+def test_packaged_traces_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The packaged chat trace and summarization lengths load in full."""
+    monkeypatch.delenv("BORROWD_TRACES_DIR", raising=False)
+    trace = load_trace(resolve_trace("azure2023_conv.csv"))
     assert len(trace.arrival_s) == 19366
     assert 3500 < trace.span_s < 3700
-    lengths = load_lengths(traces_dir() / "arxiv_summarization_lengths.csv")
+    lengths = load_lengths(resolve_trace("arxiv_summarization_lengths.csv"))
     assert len(lengths.prompt_tokens) == 28257
+
+
+def test_packaged_traces_have_attribution() -> None:
+    """The licences and attribution of the packaged traces ship beside them."""
+    text = (PACKAGED_TRACES_DIR / "LICENSES.md").read_text()
+    assert "Azure Public Dataset" in text
+    assert "CC-BY-4.0" in text
+    assert "MIT License" in text
 
 
 def uniform_trace(n: int = 100) -> Trace:
@@ -114,7 +150,7 @@ def test_trace_repeats_cyclically() -> None:
 
 def test_batch_source_scales_clips_and_requeues() -> None:
     """Batch prompts are scaled and clipped, outputs clipped; returned jobs come back first."""
-    lengths = load_lengths(traces_dir() / "arxiv_summarization_lengths.csv")
+    lengths = load_lengths(resolve_trace("arxiv_summarization_lengths.csv"))
     spec = BatchWorkload()
     src = BatchSource(lengths, spec, np.random.default_rng(3))
     jobs = [src.next_job() for _ in range(2000)]
