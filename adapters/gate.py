@@ -22,10 +22,8 @@ from adapters.lua import script_text
 from adapters.store import REAP_LIMIT, PoolKeys
 from models.budget import SCHEMA_VERSION
 from models.errors import InputError
+from models.priority import BATCH_PRIORITY, INTERACTIVE_PRIORITY
 
-# vLLM's priority policy serves lower values first: interactive 0, batch behind it.
-INTERACTIVE_PRIORITY = 0
-BATCH_PRIORITY = 1
 DEFAULT_LEASE_MS = 30_000
 # Retry hint when a denial has no better one (no record, caps full).
 DEFAULT_RETRY_MS = 1_000

@@ -15,6 +15,7 @@ import argparse
 import math
 from dataclasses import dataclass, field
 
+from controller.closed_loop import SimControllers
 from models.budget import Budget, Mode, closed_budget
 from models.protocols import BudgetPolicy
 from models.signals import Observation, Slo
@@ -89,7 +90,7 @@ def main() -> None:
           "| share of ticks above SLO away from the burst |")
     print("|---|---|---|---|---|")
     for name in args.policies:
-        spec = parse_policy(name, scenario)
+        spec = parse_policy(name, scenario, None, SimControllers())
         recorder = RecordingPolicy(
             tick_s=spec.controller.tick_s if spec.controller else 1.0,
             inner=spec.controller,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models.sim.bench import controllers_available
+from controller.closed_loop import SimControllers
 from models.sim.run import calibrate_rate_scale, load_inputs, run_scenario
 from models.sim.scenario import get_scenario
 
@@ -32,8 +32,7 @@ def main() -> int:
     parser.add_argument("--policies", nargs="+")
     args = parser.parse_args()
     scenario = get_scenario(args.scenario)
-    policies = args.policies or DEFAULT_POLICIES + (["pi", "slack"] if controllers_available()
-                                                    else [])
+    policies = args.policies or [*DEFAULT_POLICIES, "pi", "slack"]
     trace, _ = load_inputs(scenario)
     t0 = time.perf_counter()
     scale = calibrate_rate_scale(scenario, trace, duration_s=args.duration)
@@ -45,7 +44,7 @@ def main() -> int:
     for policy in policies:
         t = time.perf_counter()
         res = run_scenario(scenario, policy, duration_s=args.duration, seed=args.seed,
-                           rate_scale=scale)
+                           rate_scale=scale, controllers=SimControllers())
         wall = time.perf_counter() - t
         s = res.summary()
         print(f"{policy:<16} {wall:>8.1f} {args.duration / wall:>15.0f} "

@@ -1,10 +1,11 @@
 """The controller against the engine simulator: policies for `borrowd sim`/`bench`, and
 identification experiments run on the simulator.
 
-`make_policy(name, scenario, plant_path)` is what the simulator's CLI calls for the policy
-names `pi`, `mpc` and `slack`. `identify_on_simulator` drives the simulator with a bounded
-PRBS budget (cut to the low level whenever a signal burns, so the experiment stays safe) and
-fits a `PlantModel` from what the controller would have observed (the same smoothing).
+`SimControllers` is the catalog of closed-loop policies the CLI hands to the simulator
+(`models.sim.policies.ControllerCatalog`): one per control law, built by `make_policy`.
+`identify_on_simulator` drives the simulator with a bounded PRBS budget (cut to the low level
+whenever a signal burns, so the experiment stays safe) and fits a `PlantModel` from what the
+controller would have observed (the same smoothing).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from controller.policy import (
+    LAWS,
     ControllerConfig,
     ControllerPolicy,
     build_policy,
@@ -28,6 +30,8 @@ from models.errors import InputError
 from models.plant.excitation import prbs
 from models.plant.model import FitCriteria, PlantModel, identify_plant
 from models.signals import Observation
+from models.sim.engine import PRIORITY
+from models.sim.policies import PolicySpec
 from models.sim.scenario import ENGINE, Scenario
 
 PLANTS_DIR = Path(__file__).parent / "plants"
@@ -78,6 +82,21 @@ def make_policy(name: str, scenario: Scenario, plant_path: Path | None) -> Contr
 
 
 @dataclass(frozen=True)
+class SimControllers:
+    """The closed-loop policies of `borrowd sim`/`bench`: one per control law (picklable, so
+    bench workers build their own)."""
+
+    def names(self) -> tuple[str, ...]:
+        """The control laws, as policy names."""
+        return LAWS
+
+    def spec(self, name: str, scenario: Scenario, plant_path: Path | None) -> PolicySpec:
+        """Policy `name` on `scenario`: engines on the priority policy, batch under the law."""
+        return PolicySpec(name, PRIORITY, batch=True,
+                          controller=make_policy(name, scenario, plant_path))
+
+
+@dataclass(frozen=True)
 class Experiment:
     """A bounded excitation: PRBS between two budgets, each level held `hold_s`."""
 
@@ -121,8 +140,6 @@ class ExcitationPolicy:
 
 def run_experiment(scenario: Scenario, experiment: Experiment) -> ExcitationPolicy:
     """Run the excitation on the simulator (interactive load as in the scenario, no burst)."""
-    from models.sim.engine import PRIORITY
-    from models.sim.policies import PolicySpec
     from models.sim.run import calibrate_rate_scale, load_inputs
     from models.sim.simulation import Simulation
 

@@ -18,6 +18,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from models.errors import ConfigError
+from models.priority import BATCH_PRIORITY
 
 
 class RequestClass(StrEnum):
@@ -104,7 +105,7 @@ class ProxyConfig:
         default=0, metadata={"help": "vLLM priority injected for interactive (lower first)"}
     )
     batch_priority: int = field(
-        default=10, metadata={"help": "vLLM priority injected for batch (lower first)"}
+        default=BATCH_PRIORITY, metadata={"help": "vLLM priority injected for batch (lower first)"}
     )
     inject_priority: bool = field(
         default=True,

@@ -6,6 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
+from controller.closed_loop import SimControllers
 from models.errors import InputError
 from models.sim.bench import format_table, plot, run_bench
 from models.sim.cores import DEFAULT_ENGINE, ENGINE_CORES
@@ -87,6 +88,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
         trace_path=args.interactive_trace,
         engine=args.engine,
         plant_path=args.plant,
+        controllers=SimControllers(),
     )
     summary = result.summary()
     if args.json:
@@ -110,6 +112,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         engine=args.engine,
         plant_path=str(args.plant) if args.plant else None,
         workers=args.workers,
+        controllers=SimControllers(),
     )
     print(
         f"scenario {scenario.name}, {args.duration:g} s simulated, interactive rate scale "

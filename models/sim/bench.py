@@ -7,7 +7,6 @@ and then refined by bisection between the best passing and the first failing rat
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -15,12 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from models.errors import InputError
-from models.sim.policies import parse_policy
+from models.sim.policies import ControllerCatalog, parse_policy
 from models.sim.run import calibrate_rate_scale, load_inputs, run_scenario
 from models.sim.scenario import ENGINE, Scenario
 
 DEFAULT_POLICIES = ("none", "unrestricted", "priority")
-CONTROLLER_POLICIES = ("pi", "mpc", "slack")
 SWEEP_FRACTIONS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 REFINE_STEPS = 2
 
@@ -37,6 +35,7 @@ class RunRequest:
     trace_path: str | None
     engine: str
     plant_path: str | None
+    controllers: ControllerCatalog | None = None
 
 
 def run_one(req: RunRequest) -> dict[str, object]:
@@ -50,13 +49,9 @@ def run_one(req: RunRequest) -> dict[str, object]:
         rate_scale=req.rate_scale,
         engine=req.engine,
         plant_path=Path(req.plant_path) if req.plant_path else None,
+        controllers=req.controllers,
     )
     return res.summary()
-
-
-def controllers_available() -> bool:
-    """True when `controller.closed_loop` (pi, mpc, slack policies) is installed."""
-    return importlib.util.find_spec("controller.closed_loop") is not None
 
 
 def meets_every_window(summary: dict[str, object]) -> bool:
@@ -75,11 +70,12 @@ def run_bench(
     engine: str = "native",
     plant_path: str | None = None,
     workers: int = 2,
+    controllers: ControllerCatalog | None = None,
 ) -> dict[str, object]:
     """Run the policies (and the static sweep) and return {rows, sweep, skipped, ...}.
 
-    With `policies` None: the built-in ones plus each controller policy that can be built
-    (one that cannot, e.g. for want of a plant model, is listed in `skipped` with why).
+    With `policies` None: the built-in ones plus each policy of `controllers` that can be
+    built (one that cannot, e.g. for want of a plant model, is listed in `skipped` with why).
     """
     trace, _ = load_inputs(scenario, trace_path)
     scale = calibrate_rate_scale(scenario, trace, engine, duration_s)
@@ -87,19 +83,20 @@ def run_bench(
     skipped: dict[str, str] = {}
     if policies is None:
         policies = list(DEFAULT_POLICIES)
-        if controllers_available():
-            for name in CONTROLLER_POLICIES:
+        if controllers is not None:
+            for name in controllers.names():
                 try:
-                    parse_policy(name, scenario, plant)
+                    parse_policy(name, scenario, plant, controllers)
                 except InputError as exc:
                     skipped[name] = str(exc)
                 else:
                     policies.append(name)
     for name in policies:
-        parse_policy(name, scenario, plant)
+        parse_policy(name, scenario, plant, controllers)
 
     def req(policy: str) -> RunRequest:
-        return RunRequest(scenario, policy, duration_s, seed, scale, trace_path, engine, plant_path)
+        return RunRequest(scenario, policy, duration_s, seed, scale, trace_path, engine, plant_path,
+                          controllers)
 
     with ProcessPoolExecutor(max_workers=workers) as pool:
         names = list(policies)

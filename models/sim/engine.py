@@ -27,7 +27,7 @@ The scheduler mirrors vLLM V1's `Scheduler.schedule()` (vllm/v1/core/sched/sched
 
 Per-step batch limit (optional, off by default): `set_batch_budget(budget)` models the
 engine plugin (`adapters.vllm_plugin`): each step, batch-class requests (running and
-waiting) together get at most `adapters.engine_budget.batch_tokens_per_step(budget,
+waiting) together get at most `models.enforcement.batch_tokens_per_step(budget,
 recent step time, floor)` tokens; a batch request left without tokens is skipped for the
 step (a waiting one ends the WAITING pass: under the priority policy every request behind
 it is batch too). Interactive requests are never held back. The recent step time is the
@@ -65,12 +65,12 @@ import heapq
 from collections import deque
 from dataclasses import dataclass, field
 
-from adapters.engine_budget import (
+from models.budget import Budget
+from models.enforcement import (
     DEFAULT_MIN_BATCH_TOKENS_PER_STEP,
     StepTimer,
     batch_tokens_per_step,
 )
-from models.budget import Budget
 from models.errors import ConfigError
 from models.sim.profiles import StepProfile
 from models.sim.request import (

@@ -5,14 +5,15 @@
 - `priority`: batch admitted freely, engines on the priority policy, batch at lower priority.
 - `static:R[:S]`: priority engines plus a constant budget of R batch tokens/s and a cap of S
   batch sequences (default 8 per replica), through the same gate a controller drives.
-- any other name: a closed-loop controller from `controller.closed_loop.make_policy`.
+- any other name: a closed-loop controller from the `ControllerCatalog` the caller passes
+  in (the CLI passes `controller.closed_loop`'s; nothing here imports the controller).
 """
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from models.budget import Budget, Mode
 from models.errors import InputError
@@ -22,7 +23,6 @@ from models.sim.scenario import Scenario
 
 STATIC_SEQS_PER_REPLICA = 8
 BUILTIN = ("none", "unrestricted", "priority")
-CONTROLLERS = ("pi", "mpc", "slack")
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,18 @@ class PolicySpec:
     batch: bool
     budget: Budget | None = None
     controller: BudgetPolicy | None = None
+
+
+class ControllerCatalog(Protocol):
+    """Closed-loop policies by name, built at the CLI edge (`controller.closed_loop`)."""
+
+    def names(self) -> tuple[str, ...]:
+        """The policy names it builds (its registered control laws)."""
+        ...
+
+    def spec(self, name: str, scenario: Scenario, plant_path: Path | None) -> PolicySpec:
+        """The resolved policy `name` on `scenario`; `InputError` when it cannot be built."""
+        ...
 
 
 def free_budget(scenario: Scenario) -> Budget:
@@ -71,8 +83,14 @@ def static_budget(scenario: Scenario, tokens_per_s: float, seqs: int | None = No
     )
 
 
-def parse_policy(name: str, scenario: Scenario, plant_path: Path | None = None) -> PolicySpec:
-    """Resolve a policy name; `InputError` naming the problem when it is not one."""
+def parse_policy(
+    name: str,
+    scenario: Scenario,
+    plant_path: Path | None = None,
+    controllers: ControllerCatalog | None = None,
+) -> PolicySpec:
+    """Resolve a policy name (closed-loop ones through `controllers`); `InputError` naming
+    the problem when it is not one."""
     if name == "none":
         return PolicySpec(name, PRIORITY, batch=False)
     if name == "unrestricted":
@@ -89,14 +107,8 @@ def parse_policy(name: str, scenario: Scenario, plant_path: Path | None = None) 
         if len(parts) > 3 or rate < 0 or (seqs is not None and seqs < 0):
             raise InputError(f"policy {name!r}: expected static:TOKENS_PER_S[:SEQS] >= 0")
         return PolicySpec(name, PRIORITY, batch=True, budget=static_budget(scenario, rate, seqs))
-    if name in CONTROLLERS:
-        try:
-            module = importlib.import_module("controller.closed_loop")
-        except ModuleNotFoundError:
-            raise InputError(
-                f"policy {name!r} needs controller.closed_loop, which is not installed yet"
-            ) from None
-        policy = module.make_policy(name, scenario, plant_path)
-        return PolicySpec(name, PRIORITY, batch=True, controller=policy)
-    known = ", ".join((*BUILTIN, "static:R[:S]", *CONTROLLERS))
+    if controllers is not None and name in controllers.names():
+        return controllers.spec(name, scenario, plant_path)
+    closed = controllers.names() if controllers is not None else ()
+    known = ", ".join((*BUILTIN, "static:R[:S]", *closed))
     raise InputError(f"unknown policy {name!r} (known: {known})")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from models.errors import InputError
 from models.sim.cores import DEFAULT_ENGINE
-from models.sim.policies import parse_policy
+from models.sim.policies import ControllerCatalog, parse_policy
 from models.sim.scenario import Scenario
 from models.sim.simulation import RunResult, Simulation
 from models.sim.trace import Lengths, Trace, load_lengths, load_trace, resolve_trace
@@ -128,11 +128,13 @@ def run_scenario(
     rate_scale: float | None = None,
     engine: str = DEFAULT_ENGINE,
     plant_path: Path | None = None,
+    controllers: ControllerCatalog | None = None,
 ) -> RunResult:
-    """Run `scenario` under `policy` for `duration_s` simulated seconds."""
+    """Run `scenario` under `policy` (closed-loop ones from `controllers`) for `duration_s`
+    simulated seconds."""
     if not duration_s > 0:
         raise InputError(f"duration must be > 0 seconds, got {duration_s!r}")
-    spec = parse_policy(policy, scenario, plant_path)
+    spec = parse_policy(policy, scenario, plant_path, controllers)
     trace, lengths = load_inputs(scenario, trace_path)
     scale = (
         rate_scale

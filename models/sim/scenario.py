@@ -13,6 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from models.errors import InputError
+from models.priority import BATCH_PRIORITY
 from models.signals import Slo
 from models.sim.profiles import DEFAULT_PROFILE
 
@@ -72,7 +73,7 @@ class BatchWorkload:
     output_clip_tokens: int = 1024
     submit_rate_per_s: float = 0.0
     client_concurrency: int = 256
-    priority: int = 1
+    priority: int = BATCH_PRIORITY
 
 
 @dataclass(frozen=True)

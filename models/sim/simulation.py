@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from adapters.engine_budget import engine_share
 from models.budget import Budget
+from models.enforcement import engine_share
 from models.errors import InputError
 from models.protocols import BudgetPolicy
 from models.signals import Observation

@@ -163,7 +163,7 @@ def test_nginx_admits_injects_and_denies_with_retry_after(stack: Stack) -> None:
     gives the client 429 + Retry-After; a client cannot promote itself to interactive."""
     _publish(stack.redis.extra["url"], ttl_ms=60_000)
     status, _, body = stack.request(_batch("b1"))
-    assert (status, body.strip()) == (200, "priority=1 max_tokens=256")
+    assert (status, body.strip()) == (200, "priority=10 max_tokens=256")
     assert stack.request(_batch("b2"))[0] == 200
     status, headers, body = stack.request(_batch("b3"))
     assert status == 429

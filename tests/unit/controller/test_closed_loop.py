@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from controller.closed_loop import make_policy
+from controller.closed_loop import SimControllers, make_policy
 from models.budget import Mode
 from models.sim.run import run_scenario
 from models.sim.scenario import Failure, get_scenario
@@ -28,7 +28,8 @@ def failure_scenario():
 def test_pi_meets_every_window_through_an_outage(failure_scenario):
     """PI meets every SLO window through burst and outage, wastes little, fills the GPUs,
     and a static cap 15% above its rate breaks windows."""
-    pi = run_scenario(failure_scenario, "pi", duration_s=DURATION_S, seed=0).summary()
+    pi = run_scenario(failure_scenario, "pi", duration_s=DURATION_S, seed=0,
+                      controllers=SimControllers()).summary()
     assert pi["interactive"]["slo_windows_met_frac"] == 1.0
     assert pi["batch"]["recomputed_tokens_frac"] <= 0.03
     assert pi["gpu_busy_frac"] >= 0.80

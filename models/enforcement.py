@@ -1,0 +1,102 @@
+"""Engine-side enforcement arithmetic, apart from vLLM: per-step batch allowance and step timing.
+
+    batch_tokens_per_step = 0                                   no usable record, or it
+                                                                admits no batch work
+                          = max(floor, batch_tokens_per_s * recent_step_s)   otherwise
+
+A running batch request thus always gets at least `floor` tokens while the budget is open
+(never starved into holding its KV forever), and none once the budget is zero, missing or
+expired. `adapters.vllm_plugin` applies it inside vLLM's scheduler and the simulator's
+engine applies it per replica.
+
+The budget record is the pool's; each engine enforces its share (`engine_share`: rate and
+caps divided by the engines serving the pool). Applying the whole pool rate on every engine
+would let the allowance grow until batch fills whole steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import deque
+from typing import Protocol
+
+from models.budget import Budget
+
+DEFAULT_MIN_BATCH_TOKENS_PER_STEP = 16  # one KV block of the default block size
+INITIAL_STEP_S = 0.03  # until a step was timed: a decode step of an 8B model on an H100
+MAX_STEP_S = 1.0  # a stall (idle engine, debugger) must not turn into a huge allowance
+STEP_EMA_WEIGHT = 0.2  # weight of the newest step in the recent step time
+
+
+class BudgetSource(Protocol):
+    """Where an engine reads the pool's budget (`adapters.store.BudgetWatcher` in production)."""
+
+    def current(self, now_s: float) -> Budget | None:
+        """The fresh record at `now_s`, or None."""
+        ...
+
+
+class StaticBudgetSource:
+    """A budget set by the caller (simulations and tests); `None` means no record."""
+
+    def __init__(self, budget: Budget | None = None) -> None:
+        self.budget = budget
+
+    def current(self, now_s: float) -> Budget | None:
+        """The budget last set, whatever `now_s`."""
+        return self.budget
+
+
+def engine_share(budget: Budget | None, engines: int) -> Budget | None:
+    """One engine's share of a pool budget enforced by `engines` engines: the rate, the
+    burst and the caps divided among them (sequence cap at least 1 while the pool has one)."""
+    if budget is None or engines <= 1:
+        return budget
+    return dataclasses.replace(
+        budget,
+        batch_tokens_per_s=budget.batch_tokens_per_s / engines,
+        batch_burst_tokens=math.ceil(budget.batch_burst_tokens / engines),
+        max_batch_seqs=math.ceil(budget.max_batch_seqs / engines),
+        max_batch_kv_tokens=math.ceil(budget.max_batch_kv_tokens / engines),
+    )
+
+
+def batch_tokens_per_step(budget: Budget | None, recent_step_s: float, floor_tokens: int) -> int:
+    """Batch tokens one engine step may schedule under `budget` (see the module docstring)."""
+    if budget is None or not budget.admits_batch:
+        return 0
+    return max(floor_tokens, math.floor(budget.batch_tokens_per_s * recent_step_s))
+
+
+def batch_seq_cap(budget: Budget | None) -> int:
+    """Batch sequences allowed to run at once: 0 without a record that admits batch work."""
+    if budget is None or not budget.admits_batch:
+        return 0
+    return budget.max_batch_seqs
+
+
+class StepTimer:
+    """Recent engine step time: an exponential average of (output time - schedule time).
+
+    Steps are matched first in, first out, so it also holds with two steps in flight
+    (asynchronous scheduling). Each step counts at most `MAX_STEP_S`.
+    """
+
+    def __init__(self, initial_s: float = INITIAL_STEP_S) -> None:
+        self.recent_s = initial_s
+        self._started: deque[float] = deque()
+
+    def started(self, now_s: float) -> None:
+        """A step was scheduled at `now_s`."""
+        self._started.append(now_s)
+
+    def finished(self, now_s: float) -> None:
+        """The oldest scheduled step's output arrived at `now_s`."""
+        if self._started:
+            self.observe(now_s - self._started.popleft())
+
+    def observe(self, step_s: float) -> None:
+        """Fold one step's duration into the recent step time."""
+        step_s = min(max(step_s, 0.0), MAX_STEP_S)
+        self.recent_s += STEP_EMA_WEIGHT * (step_s - self.recent_s)
