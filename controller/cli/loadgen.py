@@ -7,7 +7,7 @@ import asyncio
 import json
 from pathlib import Path
 
-from controller.loadgen import LoadgenConfig, parse_burst, run_load, summarize
+from adapters.loadgen import LoadgenConfig, parse_burst, run_load, summarize
 from models.sim.trace import load_lengths, load_trace, resolve_trace
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from controller.loadgen import (
+from adapters.loadgen import (
     BATCH,
     INTERACTIVE,
     LoadgenConfig,
