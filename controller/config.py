@@ -18,7 +18,6 @@ import os
 import re
 import socket
 import tomllib
-import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -26,20 +25,16 @@ from pathlib import Path
 from typing import Any
 
 from controller.policy import ControllerConfig
-from models.errors import BorrowdError, ConfigError
+from models.config_loader import build_dataclass, load_toml, meta
+from models.errors import ConfigError
 
 ENV_PREFIX = "BORROWD_"
 ENV_SECTIONS = ("daemon", "redis", "prometheus")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 POOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 DURATION = re.compile(r"^[1-9][0-9]*(s|m)$")
-HOST_PORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]*):([0-9]{1,5})$")
-
-
-def meta(unit: str, help: str, **checks: Any) -> dict[str, Any]:
-    """Field metadata: unit, one-line help, and optional checks (`min`, `max`, `choices`,
-    `pattern`, `example`: a value shown in the example config for a field without default)."""
-    return {"unit": unit, "help": help, **checks}
+# The host is required: binding every interface must be written out ("0.0.0.0:9105").
+HOST_PORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):([0-9]{1,5})$")
 
 
 @dataclass(frozen=True)
@@ -49,7 +44,9 @@ class DaemonConfig:
     metrics_listen: str = field(
         default="127.0.0.1:9105",
         metadata=meta("host:port", "where the daemon serves its own /metrics ('' disables)",
-                      pattern=HOST_PORT.pattern, allow_empty=True),
+                      pattern=HOST_PORT.pattern, allow_empty=True,
+                      pattern_help="HOST:PORT with the host written out; every interface is "
+                      "0.0.0.0:PORT, loopback 127.0.0.1:PORT"),
     )
     log_level: str = field(
         default="info", metadata=meta("level", "least severe log level written", choices=LOG_LEVELS)
@@ -184,16 +181,11 @@ class BorrowdConfig:
 
 def load_config(path: str | Path, environ: Mapping[str, str] | None = None) -> BorrowdConfig:
     """Read, override from the environment, and validate the config at `path`."""
-    path = Path(path)
+    data = load_toml(path)
     try:
-        data = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path} does not exist") from None
-    except OSError as exc:
-        raise ConfigError(f"config file {path} cannot be read: {exc.strerror}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
-    return config_from_mapping(data, os.environ if environ is None else environ)
+        return config_from_mapping(data, os.environ if environ is None else environ)
+    except ConfigError as exc:
+        raise ConfigError(f"config file {path}: {exc}") from None
 
 
 def config_from_mapping(
@@ -232,111 +224,8 @@ def _parse_env_value(text: str, kind: Any, name: str) -> Any:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         raise ConfigError(
-            f"environment {name} = {text!r} is not a valid {_type_name(kind)}"
+            f"environment {name} = {text!r} is not a valid {getattr(kind, '__name__', kind)}"
         ) from None
-
-
-def build_dataclass(cls: type, data: Any, path: str) -> Any:
-    """An instance of dataclass `cls` from table `data`; ConfigError names `path.key`."""
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{path or 'config'}: must be a table, got {data!r}")
-    hints = typing.get_type_hints(cls)
-    known = {item.name: item for item in dataclasses.fields(cls) if item.init}
-    for key in data:
-        if key not in known:
-            raise ConfigError(
-                f"{_join(path, key)}: unknown key (known: {', '.join(sorted(known))})"
-            )
-    values = {}
-    for name, item in known.items():
-        key_path = _join(path, name)
-        if name in data:
-            values[name] = _convert(data[name], hints[name], key_path)
-            _check(values[name], item.metadata, key_path)
-        elif item.default is dataclasses.MISSING and item.default_factory is dataclasses.MISSING:
-            raise ConfigError(f"{key_path}: required key is missing")
-    try:
-        return cls(**values)
-    except ConfigError as exc:
-        message = str(exc)
-        if path and not message.startswith(path):
-            message = f"{path}: {message}"
-        raise ConfigError(message) from None
-    except (BorrowdError, ValueError, TypeError) as exc:
-        raise ConfigError(f"{path or 'config'}: {exc}") from None
-
-
-def _join(path: str, key: str) -> str:
-    return f"{path}.{key}" if path else key
-
-
-def _type_name(kind: Any) -> str:
-    return getattr(kind, "__name__", str(kind))
-
-
-def _convert(value: Any, kind: Any, path: str) -> Any:
-    origin = typing.get_origin(kind)
-    if origin in (types.UnionType, typing.Union):
-        options = [arg for arg in typing.get_args(kind) if arg is not type(None)]
-        errors = []
-        for option in options:
-            try:
-                return _convert(value, option, path)
-            except ConfigError as exc:
-                errors.append(str(exc))
-        raise ConfigError(errors[0] if len(errors) == 1 else f"{path}: bad value {value!r}")
-    if origin is tuple:
-        args = typing.get_args(kind)
-        if not isinstance(value, list):
-            raise ConfigError(f"{path}: must be an array, got {value!r}")
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_convert(item, args[0], f"{path}[{i}]") for i, item in enumerate(value))
-        if len(args) != len(value):
-            raise ConfigError(f"{path}: must have {len(args)} items, got {len(value)}")
-        pairs = enumerate(zip(args, value, strict=True))
-        return tuple(_convert(item, arg, f"{path}[{i}]") for i, (arg, item) in pairs)
-    if dataclasses.is_dataclass(kind):
-        return build_dataclass(kind, value, path)
-    if isinstance(kind, type) and issubclass(kind, enum.Enum):
-        try:
-            return kind(value)
-        except ValueError:
-            choices = ", ".join(repr(member.value) for member in kind)
-            raise ConfigError(f"{path}: bad value {value!r} (one of {choices})") from None
-    if kind is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{path}: must be true or false, got {value!r}")
-        return value
-    if kind is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{path}: must be an integer, got {value!r}")
-        return value
-    if kind is float:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigError(f"{path}: must be a number, got {value!r}")
-        if math.isnan(float(value)):
-            raise ConfigError(f"{path}: must be a number, got nan")
-        return float(value)
-    if kind is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{path}: must be a string, got {value!r}")
-        return value
-    raise ConfigError(f"{path}: values of type {_type_name(kind)} cannot be configured")
-
-
-def _check(value: Any, metadata: Mapping[str, Any], path: str) -> None:
-    if "min" in metadata and isinstance(value, int | float) and value < metadata["min"]:
-        raise ConfigError(f"{path}: {value!r} is below the minimum {metadata['min']!r}")
-    if "max" in metadata and isinstance(value, int | float) and value > metadata["max"]:
-        raise ConfigError(f"{path}: {value!r} is above the maximum {metadata['max']!r}")
-    if "choices" in metadata and value not in metadata["choices"]:
-        choices = ", ".join(repr(choice) for choice in metadata["choices"])
-        raise ConfigError(f"{path}: bad value {value!r} (one of {choices})")
-    if "pattern" in metadata and isinstance(value, str):
-        if value == "" and metadata.get("allow_empty"):
-            return
-        if not re.match(metadata["pattern"], value):
-            raise ConfigError(f"{path}: bad value {value!r} (must match {metadata['pattern']})")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -374,7 +263,7 @@ def _emit_table(lines: list[str], cls: type, path: str, *, array: bool, help: st
         if not item.init:
             continue
         kind = hints[item.name]
-        if dataclasses.is_dataclass(kind):
+        if isinstance(kind, type) and dataclasses.is_dataclass(kind):
             nested.append((item, kind))
             continue
         value = _default_of(item)

@@ -76,7 +76,8 @@ class SupervisorConfig:
         metadata={"unit": "share above SLO / 0.05", "help": "quiet below (burn measured)"},
     )
     cut_kv_frac: float = field(
-        default=0.97, metadata={"unit": "fraction of KV cache", "help": "cut at or above"}
+        default=0.97,
+        metadata={"unit": "fraction of KV cache", "help": "cut at or above", "gt": 0.0, "max": 1.0},
     )
     reopen_kv_frac: float = field(
         default=0.90, metadata={"unit": "fraction of KV cache", "help": "quiet below"}

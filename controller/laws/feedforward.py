@@ -23,12 +23,19 @@ class FeedForwardConfig:
 
     gain: float = field(
         default=1.0,
-        metadata={"unit": "batch tokens per interactive token", "help": "budget cut per unit rise"},
+        metadata={"unit": "batch tokens per interactive token", "help": "budget cut per unit rise",
+                  "min": 0.0},
     )
-    alpha: float = field(default=0.5, metadata={"unit": "1", "help": "level smoothing in (0, 1]"})
-    beta: float = field(default=0.3, metadata={"unit": "1", "help": "trend smoothing in [0, 1]"})
+    alpha: float = field(
+        default=0.5,
+        metadata={"unit": "1", "help": "level smoothing in (0, 1]", "gt": 0.0, "max": 1.0},
+    )
+    beta: float = field(
+        default=0.3,
+        metadata={"unit": "1", "help": "trend smoothing in [0, 1]", "min": 0.0, "max": 1.0},
+    )
     horizon_s: float = field(
-        default=5.0, metadata={"unit": "s", "help": "how far ahead the rate is forecast"}
+        default=5.0, metadata={"unit": "s", "help": "how far ahead the rate is forecast", "gt": 0.0}
     )
 
 
