@@ -1,14 +1,14 @@
 """The proxy's configuration: one frozen tree loaded from TOML, validated at start-up.
 
-Every error names the key at fault (`admission.mode`, `tenants.etl.class`, ...). Fields carry
-their unit in the name and a one-line help text in their metadata; `describe_fields()` lists
-them for the docs. Example: `examples/proxy.toml`.
+Loaded through the one config loader of every borrowd process (`models.config_loader`): every
+error is one line naming the key at fault and its value (`admission.mode`, `tenants.etl.class`,
+...); numbers are finite and bounded by their field metadata (unit, one-line help, bounds);
+`describe_fields()` lists them for the docs. Example: `examples/proxy.toml`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -17,8 +17,16 @@ from types import MappingProxyType
 from typing import Any
 from urllib.parse import urlsplit
 
+from models.config_loader import (
+    build_dataclass,
+    construct,
+    field_values,
+    load_toml,
+    meta,
+    reject_unknown,
+)
 from models.errors import ConfigError
-from models.priority import BATCH_PRIORITY
+from models.priority import BATCH_PRIORITY, INTERACTIVE_PRIORITY
 
 
 class RequestClass(StrEnum):
@@ -49,29 +57,36 @@ class AdmissionConfig:
 
     mode: AdmissionMode = field(
         default=AdmissionMode.REJECT,
-        metadata={"help": "reject: 429 + Retry-After at once; queue: wait up to the deadline"},
+        metadata=meta("reject|queue",
+                      "reject: 429 + Retry-After at once; queue: wait up to the deadline"),
     )
     queue_max_wait_s: float = field(
-        default=30.0, metadata={"help": "longest a queued batch request waits for admission, s"}
+        default=30.0,
+        metadata=meta("s", "longest a queued batch request waits for admission", gt=0.0),
     )
     queue_max_depth: int = field(
-        default=1000, metadata={"help": "most batch requests waiting at once (more get 429)"}
+        default=1000,
+        metadata=meta("requests", "most batch requests waiting at once (more get 429)", min=1),
     )
     queue_poll_min_s: float = field(
-        default=0.05, metadata={"help": "shortest pause between admission retries in queue, s"}
+        default=0.05,
+        metadata=meta("s", "shortest pause between admission retries in queue", gt=0.0),
     )
     default_batch_max_tokens: int = field(
-        default=1024, metadata={"help": "max_tokens reserved for a batch request without one"}
+        default=1024,
+        metadata=meta("tokens", "max_tokens reserved for a batch request without one", min=1),
     )
     lease_ms: int = field(
         default=30_000,
-        metadata={"help": "admission lease; the proxy renews it every lease_ms / 3, ms"},
+        metadata=meta("ms", "admission lease; the proxy renews it every lease_ms / 3", min=1),
     )
     gate_timeout_s: float = field(
-        default=0.5, metadata={"help": "longest one gate call may take before failing closed, s"}
+        default=0.5,
+        metadata=meta("s", "longest one gate call may take before failing closed", gt=0.0),
     )
     unavailable_retry_after_s: float = field(
-        default=1.0, metadata={"help": "Retry-After sent when the budget store is unreachable, s"}
+        default=1.0,
+        metadata=meta("s", "Retry-After sent when the budget store is unreachable", gt=0.0),
     )
 
 
@@ -79,42 +94,53 @@ class AdmissionConfig:
 class ProxyConfig:
     """Everything `borrowd proxy` needs."""
 
-    listen_host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
-    listen_port: int = field(default=8000, metadata={"help": "TCP port to listen on"})
-    pool: str = field(default="default", metadata={"help": "pool name (budget keys, metrics)"})
+    listen_host: str = field(default="127.0.0.1", metadata=meta("host", "address to listen on"))
+    listen_port: int = field(
+        default=8000, metadata=meta("port", "TCP port to listen on", min=1, max=65535)
+    )
+    pool: str = field(
+        default="default",
+        metadata=meta("name", "pool name (budget keys, metrics)", pattern=r"^[^{}\s]+$",
+                      pattern_help="a non-empty name without braces or spaces"),
+    )
     upstreams: tuple[str, ...] = field(
-        default=(), metadata={"help": "vLLM base URLs (http://host:port), least outstanding"}
+        default=(), metadata=meta("URLs", "vLLM base URLs (http://host:port), least outstanding")
     )
     upstream_api_key: str | None = field(
-        default=None, metadata={"help": "bearer key sent to the upstreams (vLLM --api-key)"}
+        default=None, metadata=meta("key", "bearer key sent to the upstreams (vLLM --api-key)")
     )
     redis_url: str | None = field(
         default=None,
-        metadata={"help": "Redis URL of the budget store (else BORROWD_REDIS_URL, then local)"},
+        metadata=meta("URL", "Redis URL of the budget store (else BORROWD_REDIS_URL, then local)"),
     )
     max_body_bytes: int = field(
-        default=4 * 1024 * 1024, metadata={"help": "largest request body accepted, bytes"}
+        default=4 * 1024 * 1024, metadata=meta("bytes", "largest request body accepted", min=1)
     )
     upstream_connect_timeout_s: float = field(
-        default=5.0, metadata={"help": "connect timeout to an upstream, s"}
+        default=5.0, metadata=meta("s", "connect timeout to an upstream", gt=0.0)
     )
     upstream_read_timeout_s: float = field(
-        default=600.0, metadata={"help": "longest silence from an upstream mid-request, s"}
+        default=600.0, metadata=meta("s", "longest silence from an upstream mid-request", gt=0.0)
     )
     interactive_priority: int = field(
-        default=0, metadata={"help": "vLLM priority injected for interactive (lower first)"}
+        default=INTERACTIVE_PRIORITY,
+        metadata=meta("priority", "vLLM priority injected for interactive (lower first)"),
     )
     batch_priority: int = field(
-        default=BATCH_PRIORITY, metadata={"help": "vLLM priority injected for batch (lower first)"}
+        default=BATCH_PRIORITY,
+        metadata=meta("priority", "vLLM priority injected for batch (lower first; must be "
+                      "above interactive_priority)"),
     )
     inject_priority: bool = field(
         default=True,
-        metadata={"help": "inject `priority` (needs vLLM --scheduling-policy priority)"},
+        metadata=meta("bool", "inject `priority` (needs vLLM --scheduling-policy priority)"),
     )
-    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    admission: AdmissionConfig = field(
+        default_factory=AdmissionConfig, metadata=meta("table", "how batch passes the gate")
+    )
     tenants_by_key: Mapping[str, Tenant] = field(
         default_factory=lambda: MappingProxyType({}),
-        metadata={"help": "API key -> tenant (from [tenants.NAME] keys = [...])"},
+        metadata=meta("table", "API key -> tenant (from [tenants.NAME] keys = [...])"),
     )
 
 
@@ -132,106 +158,50 @@ def describe_fields() -> list[tuple[str, str]]:
 
 def load_config(path: str | Path) -> ProxyConfig:
     """Read and validate a proxy TOML file; `ConfigError` names the file and the bad key."""
-    path = Path(path)
-    try:
-        data = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"proxy config {path} does not exist") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"proxy config {path} is not valid TOML: {exc}") from None
+    data = load_toml(path, "proxy config")
     try:
         return parse_config(data)
     except ConfigError as exc:
         raise ConfigError(f"proxy config {path}: {exc}") from None
 
 
-def parse_config(data: Mapping[str, Any]) -> ProxyConfig:
-    """Build a `ProxyConfig` from parsed TOML tables; `ConfigError` names the bad key."""
-    _reject_unknown(data, {"proxy", "admission", "tenants"}, "")
-    proxy = _table(data, "proxy")
-    admission = _table(data, "admission")
-    scalar_fields = {f.name: f for f in dataclasses.fields(ProxyConfig)
-                     if f.name not in ("admission", "tenants_by_key")}
-    _reject_unknown(proxy, set(scalar_fields), "proxy.")
-    _reject_unknown(admission, {f.name for f in dataclasses.fields(AdmissionConfig)}, "admission.")
+_SECTIONS = frozenset({"proxy", "admission", "tenants"})
+_NOT_IN_PROXY_TABLE = frozenset({"admission", "tenants_by_key"})
 
-    kwargs: dict[str, Any] = {}
-    for name, value in proxy.items():
-        kwargs[name] = _coerce(f"proxy.{name}", value, scalar_fields[name])
-    adm_fields = {f.name: f for f in dataclasses.fields(AdmissionConfig)}
-    adm_kwargs = {name: _coerce(f"admission.{name}", value, adm_fields[name])
-                  for name, value in admission.items()}
-    kwargs["admission"] = AdmissionConfig(**adm_kwargs)
-    kwargs["tenants_by_key"] = MappingProxyType(_tenants(data.get("tenants", {})))
-    config = ProxyConfig(**kwargs)
+
+def parse_config(data: Mapping[str, Any]) -> ProxyConfig:
+    """Build a `ProxyConfig` from parsed TOML tables (through the one config loader,
+    `models.config_loader`); `ConfigError` names the bad key and value."""
+    reject_unknown(data, _SECTIONS, "")
+    values = field_values(ProxyConfig, data.get("proxy", {}), "proxy", skip=_NOT_IN_PROXY_TABLE)
+    values["admission"] = build_dataclass(AdmissionConfig, data.get("admission", {}), "admission")
+    values["tenants_by_key"] = MappingProxyType(_tenants(data.get("tenants", {})))
+    config = construct(ProxyConfig, values, "proxy")
     _validate(config)
     return config
 
 
-def _table(data: Mapping[str, Any], name: str) -> Mapping[str, Any]:
-    value = data.get(name, {})
-    if not isinstance(value, dict):
-        raise ConfigError(f"{name} must be a table, got {type(value).__name__}")
-    return value
-
-
-def _reject_unknown(table: Mapping[str, Any], known: set[str], prefix: str) -> None:
-    for key in table:
-        if key not in known:
-            raise ConfigError(f"unknown key {prefix}{key} (known: {', '.join(sorted(known))})")
-
-
-def _coerce(key: str, value: Any, spec: dataclasses.Field) -> Any:
-    kind = spec.type
-    if kind in ("str", "str | None"):
-        if not isinstance(value, str):
-            raise ConfigError(f"{key} must be a string, got {value!r}")
-        return value
-    if kind == "int":
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{key} must be an integer, got {value!r}")
-        return value
-    if kind == "float":
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigError(f"{key} must be a number, got {value!r}")
-        return float(value)
-    if kind == "bool":
-        if not isinstance(value, bool):
-            raise ConfigError(f"{key} must be true or false, got {value!r}")
-        return value
-    if kind == "tuple[str, ...]":
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise ConfigError(f"{key} must be a list of strings, got {value!r}")
-        return tuple(value)
-    if kind == "AdmissionMode":
-        try:
-            return AdmissionMode(value)
-        except ValueError:
-            raise ConfigError(f"{key} must be one of reject, queue; got {value!r}") from None
-    raise ConfigError(f"{key}: unsupported type {kind}")
-
-
 def _tenants(table: Any) -> dict[str, Tenant]:
     if not isinstance(table, dict):
-        raise ConfigError("tenants must be a table of [tenants.NAME] tables")
+        raise ConfigError("tenants: must be a table of [tenants.NAME] tables")
     by_key: dict[str, Tenant] = {}
     for name, spec in table.items():
         prefix = f"tenants.{name}"
         if not isinstance(spec, dict):
-            raise ConfigError(f"{prefix} must be a table with keys and class")
-        _reject_unknown(spec, {"keys", "class"}, f"{prefix}.")
-        klass = spec.get("class")
+            raise ConfigError(f"{prefix}: must be a table with keys and class")
+        reject_unknown(spec, {"keys", "class"}, prefix)
+        klass = spec.get("class", "")
         try:
             request_class = RequestClass(klass)
         except ValueError:
             raise ConfigError(
-                f"{prefix}.class must be interactive or batch, got {klass!r}"
+                f"{prefix}.class: bad value {klass!r} (one of 'interactive', 'batch')"
             ) from None
         keys = spec.get("keys")
         if not isinstance(keys, list) or not keys or not all(
             isinstance(k, str) and k for k in keys
         ):
-            raise ConfigError(f"{prefix}.keys must be a non-empty list of non-empty strings")
+            raise ConfigError(f"{prefix}.keys: must be a non-empty list of non-empty strings")
         tenant = Tenant(name=name, request_class=request_class)
         for key in keys:
             if key in by_key:
@@ -244,31 +214,18 @@ def _tenants(table: Any) -> dict[str, Tenant]:
 
 def _validate(config: ProxyConfig) -> None:
     if not config.upstreams:
-        raise ConfigError("proxy.upstreams must list at least one vLLM base URL")
-    for url in config.upstreams:
+        raise ConfigError("proxy.upstreams: must list at least one vLLM base URL")
+    for index, url in enumerate(config.upstreams):
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ConfigError(f"proxy.upstreams: {url!r} is not an http(s)://host:port URL")
-    if not 0 < config.listen_port < 65536:
-        raise ConfigError(f"proxy.listen_port must be 1-65535, got {config.listen_port}")
-    if not config.pool or "{" in config.pool or "}" in config.pool:
+            raise ConfigError(
+                f"proxy.upstreams[{index}]: bad value {url!r} (an http(s)://host:port URL)"
+            )
+    if config.batch_priority <= config.interactive_priority:
         raise ConfigError(
-            f"proxy.pool must be a non-empty name without braces, got {config.pool!r}"
+            f"proxy.batch_priority: {config.batch_priority} must be above "
+            f"proxy.interactive_priority ({config.interactive_priority}): vLLM serves lower "
+            "priorities first, so batch would run ahead of interactive"
         )
-    positive = {
-        "proxy.max_body_bytes": config.max_body_bytes,
-        "proxy.upstream_connect_timeout_s": config.upstream_connect_timeout_s,
-        "proxy.upstream_read_timeout_s": config.upstream_read_timeout_s,
-        "admission.queue_max_wait_s": config.admission.queue_max_wait_s,
-        "admission.queue_max_depth": config.admission.queue_max_depth,
-        "admission.queue_poll_min_s": config.admission.queue_poll_min_s,
-        "admission.default_batch_max_tokens": config.admission.default_batch_max_tokens,
-        "admission.gate_timeout_s": config.admission.gate_timeout_s,
-        "admission.lease_ms": config.admission.lease_ms,
-        "admission.unavailable_retry_after_s": config.admission.unavailable_retry_after_s,
-    }
-    for key, value in positive.items():
-        if value <= 0:
-            raise ConfigError(f"{key} must be > 0, got {value!r}")
     if not config.tenants_by_key:
         raise ConfigError("tenants: define at least one [tenants.NAME] with keys and class")
