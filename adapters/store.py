@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -31,6 +32,8 @@ log = structlog.get_logger(__name__)
 REAP_LIMIT = 256
 # Revocation stream length kept (approximate trim).
 REVOKE_STREAM_MAXLEN = 10_000
+# Between the holder id and the per-process nonce in the leader lease value.
+LEASE_NONCE_SEP = "#"
 # Lease of the record the stop switch writes when no controller is publishing.
 STOP_RECORD_TTL_MS = 3_600_000
 
@@ -295,9 +298,16 @@ class AsyncBudgetStore:
         return (await self.read_record(now_s)).budget
 
 
+def holder_of(lease_value: str) -> str:
+    """The holder id in a leader lease value (`holder_id#nonce`)."""
+    return lease_value.rpartition(LEASE_NONCE_SEP)[0] or lease_value
+
+
 class LeaderElection:
     """Leader lease among daemon replicas: `SET NX PX` on the lease key, epoch via INCR.
 
+    The lease value is `holder_id#nonce` with a nonce drawn once per election object, so two
+    processes configured with the same `holder_id` are still two holders and only one leads.
     The holder publishes with the epoch `try_acquire` returned; once another replica takes
     over (after this lease lapsed) the publish script refuses the old epoch.
     """
@@ -307,6 +317,7 @@ class LeaderElection:
             raise InputError(f"leader lease_ms must be > 0, got {lease_ms}")
         self.keys = PoolKeys(pool)
         self.holder_id = holder_id
+        self.lease_value = f"{holder_id}{LEASE_NONCE_SEP}{secrets.token_hex(8)}"
         self.lease_ms = lease_ms
         self.epoch: int | None = None
         self._acquire = client.register_script(script_text("leader_acquire"))
@@ -316,20 +327,20 @@ class LeaderElection:
     def try_acquire(self) -> int | None:
         """Take (or keep) the lease; the epoch to publish with, or None when another holds it."""
         epoch = int(self._acquire(keys=[self.keys.leader, self.keys.epoch],
-                                  args=[self.holder_id, self.lease_ms]))
+                                  args=[self.lease_value, self.lease_ms]))
         self.epoch = epoch or None
         return self.epoch
 
     def renew(self) -> bool:
         """Extend the lease if still the holder; False means leadership is lost."""
-        held = bool(self._renew(keys=[self.keys.leader], args=[self.holder_id, self.lease_ms]))
+        held = bool(self._renew(keys=[self.keys.leader], args=[self.lease_value, self.lease_ms]))
         if not held:
             self.epoch = None
         return held
 
     def release(self) -> None:
         """Give the lease up (on shutdown) if still the holder."""
-        self._release(keys=[self.keys.leader], args=[self.holder_id])
+        self._release(keys=[self.keys.leader], args=[self.lease_value])
         self.epoch = None
 
 

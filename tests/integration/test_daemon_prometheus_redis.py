@@ -19,7 +19,7 @@ import pytest
 import redis
 
 from adapters.gate import Gate
-from adapters.store import BudgetStore, PoolKeys
+from adapters.store import BudgetStore, PoolKeys, holder_of
 from models.budget import Budget, Mode
 from tests.support.daemon_harness import (
     REAL_PROMETHEUS_AND_REDIS,
@@ -168,7 +168,7 @@ def test_killed_leader_stops_batch_and_standby_takes_over(stack: dict) -> None:
     gate = Gate(stack["client"], POOL)
     daemons = {"a": launch(stack, "a"), "b": launch(stack, "b")}
     wait_for(lambda: (b := record(stack)) and b.admits_batch, 30, "the budget to open")
-    holder = stack["client"].get(PoolKeys(POOL).leader)
+    holder = holder_of(stack["client"].get(PoolKeys(POOL).leader))
     leader, standby = daemons[holder], daemons["b" if holder == "a" else "a"]
     wait_for(lambda: metric_value(standby, 'borrowd_mode{mode="open",pool="chat"}') == 1.0, 15,
              "the standby's own decision to be open too (warm)")
@@ -187,7 +187,7 @@ def test_killed_leader_stops_batch_and_standby_takes_over(stack: dict) -> None:
     )
     takeover_s = time.time() - killed_s
     assert takeover_s <= TTL_MS / 1000 + 3 * TICK_S
-    assert stack["client"].get(PoolKeys(POOL).leader) != holder
+    assert holder_of(stack["client"].get(PoolKeys(POOL).leader)) != holder
     assert taken.admits_batch, taken
     assert metric_value(standby, 'borrowd_leader{pool="chat"}') == 1.0
 

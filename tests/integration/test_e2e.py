@@ -27,7 +27,7 @@ import pytest
 import redis
 
 from adapters.gate import Gate
-from adapters.store import BudgetStore, PoolKeys
+from adapters.store import BudgetStore, PoolKeys, holder_of
 from controller.prom_source import connect_prometheus, parse_instant, query_range
 from models.budget import Mode
 from models.errors import InputError
@@ -157,7 +157,7 @@ def test_end_to_end(tmp_path: Path) -> None:
         daemon_a = start_daemon(config, holder_id="a", metrics_port=daemon_ports[0],
                                 name="daemon-a")
         servers.append(daemon_a)
-        _wait(lambda: client.get(keys.leader) == "a", 15, "daemon a to lead")
+        _wait(lambda: holder_of(client.get(keys.leader) or "") == "a", 15, "daemon a to lead")
         daemon_b = start_daemon(config, holder_id="b", metrics_port=daemon_ports[1],
                                 name="daemon-b")
         servers.append(daemon_b)
@@ -196,7 +196,7 @@ def test_end_to_end(tmp_path: Path) -> None:
         taken = _wait(lambda: (b := store.read(time.time())) and b.epoch > old_epoch and b,
                       TTL_MS / 1000 + 4 * TICK_S, "the standby to publish under a newer epoch")
         takeover_s = time.time() - killed_s
-        assert client.get(keys.leader) == "b"
+        assert holder_of(client.get(keys.leader)) == "b"
 
         # No daemon left while batch is admitted: new batch work stops within one lease.
         gate = Gate(client, POOL)
@@ -220,7 +220,7 @@ def test_end_to_end(tmp_path: Path) -> None:
         daemon_c = start_daemon(config, holder_id="c", metrics_port=daemon_ports[0],
                                 name="daemon-c")
         servers.append(daemon_c)
-        _wait(lambda: client.get(keys.leader) == "c", TTL_MS / 1000 + 4 * TICK_S,
+        _wait(lambda: holder_of(client.get(keys.leader) or "") == "c", TTL_MS / 1000 + 4 * TICK_S,
               "daemon c to lead")
         while time.time() - t0 < PROMETHEUS_KILL_AT_S - 2:
             sample()

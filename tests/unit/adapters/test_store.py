@@ -18,6 +18,7 @@ from adapters.store import (
     LeaderElection,
     PoolKeys,
     ReadStatus,
+    holder_of,
     supersedes,
 )
 from models.budget import Budget, Mode
@@ -174,9 +175,22 @@ def test_leader_election_hands_out_increasing_epochs(client) -> None:
     with pytest.raises(FencedError):
         store.publish(_budget(), epoch=epoch_a, ttl_ms=3000, now_s=2.0)
     a.release()
-    assert client.get(PoolKeys(POOL).leader) == "b"
+    assert holder_of(client.get(PoolKeys(POOL).leader)) == "b"
     b.release()
     assert client.get(PoolKeys(POOL).leader) is None
+
+
+def test_two_processes_with_one_holder_id_never_both_lead(client) -> None:
+    """Two daemons configured with the same holder_id: the lease carries a per-process nonce,
+    so the second neither acquires nor renews nor releases the first one's lease."""
+    first = LeaderElection(client, POOL, "host-a", lease_ms=60_000)
+    twin = LeaderElection(client, POOL, "host-a", lease_ms=60_000)
+    assert first.try_acquire() == 1
+    assert twin.try_acquire() is None
+    assert twin.renew() is False
+    twin.release()
+    assert first.renew() is True
+    assert holder_of(client.get(PoolKeys(POOL).leader)) == "host-a"
 
 
 def test_watcher_gets_push_and_expires_with_lease(client) -> None:
