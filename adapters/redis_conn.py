@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import parse_qs, unquote
 
 import redis
 import redis.asyncio
 import redis.asyncio.sentinel
 import redis.sentinel
 
+from adapters.redact import redact_url
 from models.errors import ConfigError
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -33,16 +34,6 @@ def resolve_redis_url(arg: str | None) -> str:
     if arg:
         return arg
     return os.environ.get(REDIS_URL_ENV) or DEFAULT_REDIS_URL
-
-
-def redact_url(url: str) -> str:
-    """`url` with any password replaced by `***`, safe to print or log."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    userinfo = f"{parts.username or ''}:***"
-    host = parts.netloc.rsplit("@", 1)[1]
-    return parts._replace(netloc=f"{userinfo}@{host}").geturl()
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from apscheduler.events import (
 from apscheduler.schedulers.background import BackgroundScheduler
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from adapters.redact import redact_event
 from adapters.redis_conn import connect, redact_url
 from adapters.store import BudgetStore, FencedError, LeaderElection
 from controller.config import BorrowdConfig, PoolConfig
@@ -490,6 +491,7 @@ def configure_logging(level: str) -> None:
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,
+            redact_event,
             structlog.processors.JSONRenderer(),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),

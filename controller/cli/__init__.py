@@ -1,6 +1,8 @@
 """The `borrowd` command: one subcommand module per job, each with `register(subparsers)`.
 
-A `BorrowdError` from any subcommand becomes a one-line error and exit code 2.
+A `BorrowdError` from any subcommand, and an `OSError` (a busy port, an unreadable file),
+becomes one line naming the problem, with secrets redacted, and exit code 2. Every log event
+of every subcommand is redacted too (`adapters.redact`).
 """
 
 from __future__ import annotations
@@ -9,7 +11,11 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
+import structlog
+
+from adapters.redact import redact, redact_event, redact_log_records
 from models.errors import BorrowdError
 
 # Each module defines `register(subparsers: argparse._SubParsersAction) -> None`, adding one
@@ -24,9 +30,17 @@ COMMAND_MODULES: tuple[str, ...] = (
 )
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, with a bad flag reported on one line (exit 2) instead of usage + error."""
+
+    def error(self, message: str) -> NoReturn:
+        """Print `PROG: error: MESSAGE (see PROG --help)` and exit 2."""
+        self.exit(2, f"{self.prog}: error: {redact(message)} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with every subcommand registered."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="borrowd",
         description="Lend an interactive LLM fleet's idle GPU time to batch work, safely.",
     )
@@ -36,17 +50,38 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def redact_logs() -> None:
+    """Redact stdlib log records, and put `redact_event` into structlog's processors."""
+    redact_log_records()
+    processors = list(structlog.get_config()["processors"])
+    if redact_event not in processors:
+        structlog.configure(processors=[*processors[:-1], redact_event, processors[-1]])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `borrowd` console script."""
+    redact_logs()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except BorrowdError as exc:
-        print(f"borrowd: error: {exc}", file=sys.stderr)
-        return 2
+        return _fail(str(exc))
+    except OSError as exc:  # start-up failures of the operator's making: busy port, bad path
+        return _fail(_os_error_line(exc))
     except KeyboardInterrupt:
         return 130
+
+
+def _os_error_line(exc: OSError) -> str:
+    if exc.filename is not None:
+        return f"{exc.filename}: {exc.strerror or exc}"
+    return str(exc)
+
+
+def _fail(message: str) -> int:
+    print(f"borrowd: error: {redact(message)}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

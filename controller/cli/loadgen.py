@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from adapters.loadgen import LoadgenConfig, parse_burst, run_load, summarize
+from models.errors import InputError
 from models.sim.trace import load_lengths, load_trace, resolve_trace
 
 
@@ -27,7 +28,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="run length, s")
     parser.add_argument("--rate-scale", type=float, default=LoadgenConfig.rate_scale,
                         help="trace seconds per wall second (interactive rate multiplier)")
-    parser.add_argument("--burst", type=parse_burst, default=None, metavar="START:END:MULT",
+    parser.add_argument("--burst", type=_burst, default=None, metavar="START:END:MULT",
                         help="interactive rate times MULT between START and END s")
     parser.add_argument("--interactive-max-output-tokens", type=int,
                         default=LoadgenConfig.interactive_max_output_tokens,
@@ -45,6 +46,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="batch length pool")
     parser.add_argument("--out", type=Path, default=None, help="JSON lines, one per request")
     parser.set_defaults(func=_run)
+
+
+def _burst(text: str) -> tuple[float, float, float]:
+    try:
+        return parse_burst(text)
+    except InputError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--burst ")) from None
 
 
 def _run(args: argparse.Namespace) -> int:
