@@ -1,0 +1,404 @@
+"""Robustness matrix: the default law against the best hindsight static cap on many shapes.
+
+Every shape of `models.sim.shapes.SHAPES` (transforms of the shared traces: long-context
+chat, short prompts at a high rate, heavy bursts, diurnal swings, replica failures, two to
+eight replicas; SLO sets seed, relaxed, and "margin": 1.25 x the worst 60 s p95 of the same
+traffic without borrowing) is run under admission and engine enforcement:
+
+- `none` (no batch; sets the margin SLOs) and `priority` (free batch; the sweep's ceiling),
+- the law (default `pi`, the shipped default policy),
+- a hindsight sweep of `static:R:S` over rates (fractions of what `priority` computes) and
+  sequence caps, refined by bisection at the best cap; the best is the one carrying the
+  most batch tokens/s with every 60 s window met.
+
+Per shape and enforcement it prints the law's batch tokens/s beside the best static cap's,
+their ratio, the share of windows met, the recomputed share of batch tokens, revocations
+and mode changes per simulated hour; tune and held-out shapes are reported apart (the
+split is fixed in `shapes.py`: tune on `tune` shapes only).
+
+    python3 benchmarks/bench_matrix.py --quick                 # 900 s runs, small sweep
+    python3 benchmarks/bench_matrix.py --duration 3600 --plot matrix.png --json matrix.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, replace
+from itertools import pairwise
+from pathlib import Path
+
+import numpy as np
+
+from controller.closed_loop import SimControllers
+from models.errors import InputError
+from models.signals import Slo
+from models.sim.run import calibrate_rate_scale, run_scenario
+from models.sim.scenario import ADMISSION, ENGINE, Failure, Scenario
+from models.sim.shapes import (
+    HELD_OUT,
+    SHAPES,
+    SLO_MARGIN,
+    SLO_RELAXED,
+    SLO_SEED,
+    TUNE,
+    Shape,
+    get_shape,
+    margin_slo,
+    trace_digest,
+    transform_lengths,
+    warp_arrivals,
+    write_jsonl,
+)
+from models.sim.trace import load_trace, resolve_trace
+from models.sim.workload import interactive_arrivals
+
+ENFORCEMENTS = (ADMISSION, ENGINE)
+FIXED_SLOS = {
+    SLO_SEED: Slo(),
+    SLO_RELAXED: Slo(ttft_p95_s=2.0, itl_p95_s=0.100),
+}
+
+
+@dataclass(frozen=True)
+class Grid:
+    """The static sweep: rate fractions of the `priority` ceiling, sequence caps per replica,
+    and bisection steps at the best cap."""
+
+    fractions: tuple[float, ...]
+    seqs_per_replica: tuple[int, ...]
+    refine_steps: int
+
+
+QUICK_GRID = Grid((0.05, 0.15, 0.3, 0.45, 0.6, 0.75), (2, 8), 1)
+FULL_GRID = Grid((0.03, 0.08, 0.15, 0.25, 0.35, 0.45, 0.55, 0.65, 0.75, 0.9), (1, 2, 4, 8, 16), 2)
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One run of the matrix (picklable for the process pool)."""
+
+    shape: str
+    scenario: Scenario
+    policy: str
+    duration_s: float
+    seed: int
+    trace_path: str
+
+
+def cache_dir() -> Path:
+    """Where shape traces are written: $BORROWD_CACHE_DIR/shapes, else ~/.cache/borrowd/shapes."""
+    base = os.environ.get("BORROWD_CACHE_DIR")
+    return (Path(base) if base else Path.home() / ".cache" / "borrowd") / "shapes"
+
+
+def base_scenario(shape: Shape, duration_s: float) -> Scenario:
+    """The shape's scenario without a trace file, SLO or enforcement yet."""
+    failure = None
+    if shape.failure is not None:
+        f = shape.failure
+        failure = Failure(f.replica, f.start_frac, f.duration_frac * duration_s)
+    return Scenario(
+        name=shape.name,
+        replicas=shape.replicas,
+        burst=None,
+        failure=failure,
+        interactive_load=shape.interactive_load,
+    )
+
+
+def prepare_trace(shape: Shape, duration_s: float) -> str:
+    """Write the shape's arrivals for a run of `duration_s` (in simulation time, rate scale
+    1) and return the file: lengths transformed, rate calibrated to the shape's load, then
+    warped by its rate profile. Files are named by content, so reruns reuse them."""
+    base = load_trace(resolve_trace(shape.trace))
+    key = trace_digest(base, repr((shape.lengths, duration_s)))
+    lengths_path = cache_dir() / f"{shape.name}-lengths-{key}.jsonl"
+    shaped = transform_lengths(base, shape.lengths, lengths_path)
+    if not lengths_path.exists():
+        write_jsonl(lengths_path, shaped.arrival_s, shaped.prompt_tokens, shaped.output_tokens)
+    shaped = load_trace(lengths_path)
+    calib = replace(base_scenario(shape, duration_s), failure=None,
+                    interactive_trace=str(lengths_path))
+    scale = calibrate_rate_scale(calib, shaped, "native", duration_s)
+    arrivals = interactive_arrivals(shaped, scale, duration_s)
+    warped = warp_arrivals(arrivals.arrival_s, shape.rate, duration_s)
+    final_key = trace_digest(shaped, repr((shape.rate, scale, duration_s)))
+    path = cache_dir() / f"{shape.name}-{final_key}.jsonl"
+    if not path.exists():
+        write_jsonl(path, warped, arrivals.prompt_tokens, arrivals.output_tokens)
+    return str(path)
+
+
+def run_cell(cell: Cell) -> dict[str, object]:
+    """Run one cell; the figures the matrix needs (and each window's p95s)."""
+    res = run_scenario(
+        cell.scenario,
+        cell.policy,
+        duration_s=cell.duration_s,
+        seed=cell.seed,
+        trace_path=cell.trace_path,
+        rate_scale=1.0,
+        controllers=SimControllers(),
+    )
+    s = res.summary()
+    windows = s["windows"]
+    timeline = s["budget_timeline"]
+    modes = [e["mode"] for e in timeline]  # type: ignore[index]
+    changes = sum(1 for a, b in pairwise(modes) if a != b)
+    batch = s["batch"]
+    inter = s["interactive"]
+    return {
+        "shape": cell.shape,
+        "policy": cell.policy,
+        "enforcement": cell.scenario.enforcement,
+        "batch_tokens_per_s": batch["tokens_per_s"],  # type: ignore[index]
+        "computed_tokens_per_s": batch["computed_tokens_per_s"],  # type: ignore[index]
+        "recomputed_frac": batch["recomputed_tokens_frac"],  # type: ignore[index]
+        "revocations": batch["revocations"],  # type: ignore[index]
+        "windows_met_frac": inter["slo_windows_met_frac"],  # type: ignore[index]
+        "ttft_p95_s": inter["ttft_p95_s"],  # type: ignore[index]
+        "itl_p95_s": inter["itl_p95_s"],  # type: ignore[index]
+        "mode_changes_per_h": changes * 3600.0 / cell.duration_s,
+        "window_ttft_p95_s": [w["ttft_p95_s"] for w in windows],  # type: ignore[index]
+        "window_itl_p95_s": [w["itl_p95_s"] for w in windows],  # type: ignore[index]
+        "wall_s": s["wall_s"],
+    }
+
+
+def shape_slo(shape: Shape, none_run: dict[str, object]) -> Slo:
+    """The shape's SLO set; margin SLOs from its no-borrowing run's worst windows."""
+    if shape.slo_set != SLO_MARGIN:
+        return FIXED_SLOS[shape.slo_set]
+    return Slo(
+        ttft_p95_s=round(margin_slo(none_run["window_ttft_p95_s"]), 4),  # type: ignore[arg-type]
+        itl_p95_s=round(margin_slo(none_run["window_itl_p95_s"]), 5),  # type: ignore[arg-type]
+    )
+
+
+def best_static(runs: Iterable[dict[str, object]]) -> dict[str, object] | None:
+    """The static run carrying the most batch tokens/s with every window met."""
+    passing = [r for r in runs if r["windows_met_frac"] >= 1.0]  # type: ignore[operator]
+    return max(passing, key=lambda r: r["batch_tokens_per_s"]) if passing else None  # type: ignore[arg-type, return-value]
+
+
+def static_name(rate: float, seqs: int) -> str:
+    """The policy name of a static cap."""
+    return f"static:{rate:g}:{seqs}"
+
+
+def parse_static(name: str) -> tuple[float, int]:
+    """(rate, seqs) of a `static:R:S` policy name."""
+    _, rate, seqs = name.split(":")
+    return float(rate), int(seqs)
+
+
+def refine_rates(runs: Sequence[dict[str, object]], seqs: int, ceiling: float) -> list[float]:
+    """Two rates between the best passing rate at `seqs` and the next failing one."""
+    mine = [(parse_static(str(r["policy"]))[0], r) for r in runs
+            if parse_static(str(r["policy"]))[1] == seqs]
+    passing = [rate for rate, r in mine if r["windows_met_frac"] >= 1.0]  # type: ignore[operator]
+    failing = [rate for rate, r in mine if r["windows_met_frac"] < 1.0]  # type: ignore[operator]
+    low = max(passing, default=0.0)
+    above = [rate for rate in failing if rate > low]
+    high = min(above) if above else ceiling
+    done = {rate for rate, _ in mine}
+    out = [round(low + (high - low) * f, -1) for f in (1 / 3, 2 / 3)]
+    return [r for r in out if r > 0 and r not in done]
+
+
+def run_matrix(shapes: Sequence[Shape], duration_s: float, grid: Grid, law: str, seed: int,
+               workers: int) -> list[dict[str, object]]:
+    """Every shape under every enforcement: law, best static, and the figures (rows)."""
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        paths = dict(zip((s.name for s in shapes),
+                         pool.map(prepare_trace, shapes, [duration_s] * len(shapes)),
+                         strict=True))
+
+        def cell(shape: Shape, policy: str, slo: Slo, enforcement: str) -> Cell:
+            sc = replace(base_scenario(shape, duration_s), slo=slo, enforcement=enforcement,
+                         interactive_trace=paths[shape.name])
+            return Cell(shape.name, sc, policy, duration_s, seed, paths[shape.name])
+
+        first = [cell(s, p, Slo(), ADMISSION) for s in shapes for p in ("none", "priority")]
+        done = list(pool.map(run_cell, first))
+        slos = {s.name: shape_slo(s, done[2 * i]) for i, s in enumerate(shapes)}
+        ceilings = {s.name: float(done[2 * i + 1]["computed_tokens_per_s"])  # type: ignore[arg-type]
+                    for i, s in enumerate(shapes)}
+        second = []
+        for s in shapes:
+            for enf in ENFORCEMENTS:
+                second.append(cell(s, law, slos[s.name], enf))
+                for seqs in grid.seqs_per_replica:
+                    for f in grid.fractions:
+                        rate = round(f * ceilings[s.name], -2)
+                        second.append(cell(s, static_name(rate, seqs * s.replicas),
+                                           slos[s.name], enf))
+        results = list(pool.map(run_cell, second))
+        by_key: dict[tuple[str, str], list[dict[str, object]]] = {}
+        for c, r in zip(second, results, strict=True):
+            by_key.setdefault((c.shape, c.scenario.enforcement), []).append(r)
+        for _ in range(grid.refine_steps):
+            more = []
+            for s in shapes:
+                for enf in ENFORCEMENTS:
+                    statics = [r for r in by_key[(s.name, enf)]
+                               if str(r["policy"]).startswith("static:")]
+                    best = best_static(statics)
+                    seqs = (parse_static(str(best["policy"]))[1] if best
+                            else min(grid.seqs_per_replica) * s.replicas)
+                    for rate in refine_rates(statics, seqs, ceilings[s.name]):
+                        more.append(cell(s, static_name(rate, seqs), slos[s.name], enf))
+            for c, r in zip(more, pool.map(run_cell, more), strict=True):
+                by_key[(c.shape, c.scenario.enforcement)].append(r)
+    rows = []
+    for s in shapes:
+        for enf in ENFORCEMENTS:
+            runs = by_key[(s.name, enf)]
+            law_run = next(r for r in runs if r["policy"] == law)
+            best = best_static([r for r in runs if str(r["policy"]).startswith("static:")])
+            rows.append(matrix_row(s, enf, slos[s.name], law_run, best, len(runs) - 1))
+    return rows
+
+
+def matrix_row(shape: Shape, enforcement: str, slo: Slo, law_run: dict[str, object],
+               best: dict[str, object] | None, sweep_runs: int) -> dict[str, object]:
+    """One line of the table: the law's figures beside the best static cap's."""
+    law_tps = float(law_run["batch_tokens_per_s"])  # type: ignore[arg-type]
+    best_tps = float(best["batch_tokens_per_s"]) if best else 0.0  # type: ignore[arg-type]
+    ratio = law_tps / best_tps if best_tps > 0 else math.nan
+    return {
+        "shape": shape.name,
+        "split": shape.split,
+        "enforcement": enforcement,
+        "slo_ttft_p95_s": slo.ttft_p95_s,
+        "slo_itl_p95_s": slo.itl_p95_s,
+        "law": law_run["policy"],
+        "law_tokens_per_s": law_tps,
+        "best_static": best["policy"] if best else None,
+        "best_static_tokens_per_s": best_tps,
+        "ratio": ratio,
+        "law_windows_met_frac": law_run["windows_met_frac"],
+        "law_recomputed_frac": law_run["recomputed_frac"],
+        "law_revocations": law_run["revocations"],
+        "law_mode_changes_per_h": law_run["mode_changes_per_h"],
+        "law_ttft_p95_s": law_run["ttft_p95_s"],
+        "law_itl_p95_s": law_run["itl_p95_s"],
+        "sweep_runs": sweep_runs,
+    }
+
+
+def format_rows(rows: Sequence[dict[str, object]]) -> str:
+    """The rows as a Markdown table."""
+    head = ("shape", "enforcement", "SLO ttft/itl", "law tok/s", "best static", "static tok/s",
+            "law/static", "win met", "recomp", "revoked", "modes/h")
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    for r in rows:
+        ratio = r["ratio"]
+        cells = (
+            str(r["shape"]),
+            str(r["enforcement"]),
+            f"{r['slo_ttft_p95_s']:.3g} s / {1000 * float(r['slo_itl_p95_s']):.3g} ms",  # type: ignore[arg-type]
+            f"{r['law_tokens_per_s']:.0f}",
+            str(r["best_static"] or "none met"),
+            f"{r['best_static_tokens_per_s']:.0f}",
+            "-" if not isinstance(ratio, float) or math.isnan(ratio) else f"{ratio:.2f}x",
+            f"{r['law_windows_met_frac']:.3f}",
+            f"{r['law_recomputed_frac']:.3f}",
+            str(r["law_revocations"]),
+            f"{r['law_mode_changes_per_h']:.0f}",
+        )
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def summary_line(rows: Sequence[dict[str, object]]) -> str:
+    """Worst and geometric-mean ratio, and how many rows meet every window."""
+    ratios = [float(r["ratio"]) for r in rows  # type: ignore[arg-type]
+              if isinstance(r["ratio"], float) and math.isfinite(r["ratio"])]
+    met = sum(1 for r in rows if float(r["law_windows_met_frac"]) >= 1.0)  # type: ignore[arg-type]
+    if not ratios:
+        return f"no static cap met every window; law met every window in {met}/{len(rows)} rows"
+    gmean = float(np.exp(np.mean(np.log(np.maximum(ratios, 1e-9)))))
+    return (f"law/static: worst {min(ratios):.2f}x, geometric mean {gmean:.2f}x over "
+            f"{len(ratios)} rows; law met every window in {met}/{len(rows)} rows")
+
+
+def plot_rows(rows: Sequence[dict[str, object]], path: Path) -> None:
+    """Bars of law/static per shape and enforcement (tune and held out), and windows met."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['shape']}\n{r['enforcement']}" for r in rows]
+    ratios = [float(r["ratio"]) if isinstance(r["ratio"], float) and math.isfinite(r["ratio"])  # type: ignore[arg-type]
+              else 0.0 for r in rows]
+    colors = ["tab:blue" if r["split"] == TUNE else "tab:orange" for r in rows]
+    fig, axes = plt.subplots(2, 1, figsize=(max(8, 0.7 * len(rows)), 7), sharex=True)
+    x = np.arange(len(rows))
+    axes[0].bar(x, ratios, color=colors)
+    axes[0].axhline(1.0, color="k", lw=0.8, ls="--")
+    axes[0].set_ylabel("law / best static cap")
+    axes[0].set_title("batch tokens/s (blue: tune shapes, orange: held out; 0: no ratio)")
+    axes[1].bar(x, [float(r["law_windows_met_frac"]) for r in rows], color=colors)  # type: ignore[arg-type]
+    axes[1].set_ylim(0.0, 1.05)
+    axes[1].set_ylabel("share of 60 s windows met (law)")
+    axes[1].set_xticks(x)
+    axes[1].set_xticklabels(labels, rotation=60, ha="right", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse arguments, run the matrix, print the tables (tune, then held out)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true",
+                   help="900 s runs and a small sweep (minutes on two cores)")
+    p.add_argument("--duration", type=float, help="simulated seconds per run (default 1800)")
+    p.add_argument("--shapes", nargs="+", help="shape names (default: all)")
+    p.add_argument("--split", choices=(TUNE, HELD_OUT), help="only shapes of this split")
+    p.add_argument("--law", default="pi", help="controller policy to compare (default pi)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (batch draws)")
+    p.add_argument("--workers", type=int, default=2, help="parallel runs (processes)")
+    p.add_argument("--json", type=Path, help="write the rows to this file")
+    p.add_argument("--plot", type=Path, help="write the bar plot (PNG)")
+    args = p.parse_args(argv)
+    try:
+        shapes = [get_shape(n) for n in args.shapes] if args.shapes else list(SHAPES)
+    except InputError as exc:
+        print(f"bench_matrix: {exc}", file=sys.stderr)
+        return 2
+    if args.split:
+        shapes = [s for s in shapes if s.split == args.split]
+    duration_s = args.duration or (900.0 if args.quick else 1800.0)
+    if not duration_s > 0 or args.workers < 1:
+        print("bench_matrix: --duration and --workers must be > 0", file=sys.stderr)
+        return 2
+    grid = QUICK_GRID if args.quick else FULL_GRID
+    wall0 = time.perf_counter()
+    rows = run_matrix(shapes, duration_s, grid, args.law, args.seed, args.workers)
+    print(f"robustness matrix: law {args.law}, {duration_s:g} s per run, "
+          f"{'quick' if args.quick else 'full'} sweep, {time.perf_counter() - wall0:.0f} s wall")
+    for split in (TUNE, HELD_OUT):
+        part = [r for r in rows if r["split"] == split]
+        if part:
+            print(f"\n{split} shapes")
+            print(format_rows(part))
+            print(summary_line(part))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1) + "\n")
+    if args.plot:
+        plot_rows(rows, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
