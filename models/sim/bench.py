@@ -12,10 +12,11 @@ from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from models.errors import InputError
 from models.sim.policies import ControllerCatalog, parse_policy
-from models.sim.run import calibrate_rate_scale, load_inputs, run_scenario
+from models.sim.run import calibrate_rate_scale, load_inputs, run_scenario, slo_json
 from models.sim.scenario import ENGINE, Scenario
 
 DEFAULT_POLICIES = ("none", "unrestricted", "priority")
@@ -120,6 +121,7 @@ def run_bench(
         rows.insert(min(3, len(rows)), best)
     return {
         "scenario": scenario.name,
+        "slo": slo_json(scenario),
         "duration_s": duration_s,
         "seed": seed,
         "interactive_rate_scale": scale,
@@ -188,13 +190,15 @@ def _field(row: dict[str, object], path: str) -> object:
     return value
 
 
-def format_table(rows: Sequence[dict[str, object]]) -> str:
-    """The rows as a Markdown table (the bench's printout and the README's table)."""
-    head = [c[0] for c in COLUMNS]
+def format_table(rows: Sequence[dict[str, object]], *, speed: bool = True) -> str:
+    """The rows as a Markdown table (the bench's printout and the README's table); without
+    `speed` the wall-clock column is left out, so the table is the same on every run."""
+    columns = COLUMNS if speed else tuple(c for c in COLUMNS if c[1] != "speed")
+    head = [c[0] for c in columns]
     body = []
     for row in rows:
         cells = []
-        for _, path, fmt in COLUMNS:
+        for _, path, fmt in columns:
             v = _field(row, path)
             if path == "policy" and row.get("enforcement") == ENGINE:
                 v = f"{v} [engine]"
@@ -218,12 +222,12 @@ def plot(rows: Sequence[dict[str, object]], path: Path, slo_ttft_s: float,
 
     fig, axes = plt.subplots(3, 1, figsize=(10, 9), sharex=True)
     for row in rows:
-        wins = row["windows"]  # type: ignore[index]
-        t = [w["start_s"] / 60 for w in wins]  # type: ignore[index]
+        wins = cast(list[dict[str, float]], row["windows"])
+        t = [w["start_s"] / 60 for w in wins]
         label = str(row["policy"])
-        axes[0].plot(t, [w["ttft_p95_s"] for w in wins], label=label)  # type: ignore[index]
-        axes[1].plot(t, [(w["itl_p95_s"] or 0) * 1000 for w in wins], label=label)  # type: ignore[index]
-        axes[2].plot(t, [w["gpu_busy_frac"] for w in wins], label=label)  # type: ignore[index]
+        axes[0].plot(t, [w["ttft_p95_s"] for w in wins], label=label)
+        axes[1].plot(t, [(w["itl_p95_s"] or 0) * 1000 for w in wins], label=label)
+        axes[2].plot(t, [w["gpu_busy_frac"] for w in wins], label=label)
     axes[0].axhline(slo_ttft_s, color="k", ls="--", lw=0.8)
     axes[0].set_yscale("log")
     axes[0].set_ylabel("p95 TTFT (s)")

@@ -2,15 +2,17 @@
 
 The rate scale makes interactive work alone keep the fleet busy `interactive_load` of the
 time over the run (no burst, no batch): it is found by secant iterations on runs of the
-run's length (at most `calibration_s`) and cached in memory and on disk
-($BORROWD_CACHE_DIR, else ~/.cache/borrowd), keyed by everything that changes it.
+run's length (at most `calibration_s`), from a fixed start, with every iterate snapped to
+`CALIBRATION_DIGITS` significant digits and every busy fraction to `BUSY_DECIMALS`
+decimals, so the same inputs give a bit-identical scale on every machine whatever ran
+before (float noise below the snap cannot move it). It is cached in memory only, keyed by
+the trace's content and every scenario field that changes it; no file, timing, process
+pool or earlier run can change the figure.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 from pathlib import Path
 
 from models.errors import InputError
@@ -20,9 +22,10 @@ from models.sim.scenario import Scenario
 from models.sim.simulation import RunResult, Simulation
 from models.sim.trace import Lengths, Trace, load_lengths, load_trace, resolve_trace
 
-CACHE_ENV = "BORROWD_CACHE_DIR"
 CALIBRATION_TOLERANCE = 0.004
 CALIBRATION_ITERATIONS = 6
+CALIBRATION_DIGITS = 6
+BUSY_DECIMALS = 9
 _memory_cache: dict[str, float] = {}
 
 
@@ -50,72 +53,59 @@ def busy_fraction(scenario: Scenario, trace: Trace, rate_scale: float, engine: s
     return res.busy_s / (scenario.replicas * duration_s)
 
 
+def _snap(value: float) -> float:
+    """`value` rounded to `CALIBRATION_DIGITS` significant digits."""
+    return float(f"{value:.{CALIBRATION_DIGITS - 1}e}")
+
+
 def _cache_key(scenario: Scenario, trace: Trace, engine: str, duration_s: float) -> str:
-    stat = trace.path.stat()
+    digest = hashlib.sha256()
+    for array in (trace.arrival_s, trace.prompt_tokens, trace.output_tokens):
+        digest.update(array.tobytes())
     parts = [
-        str(trace.path.resolve()), str(stat.st_size), str(int(stat.st_mtime)), engine,
-        scenario.profile, str(scenario.replicas), str(scenario.max_num_batched_tokens),
-        str(scenario.max_num_seqs), str(scenario.block_size),
-        str(scenario.long_prefill_token_threshold), scenario.router,
-        str(scenario.interactive_load), str(duration_s), "v2",
+        engine, repr(scenario.profile), str(scenario.replicas),
+        str(scenario.max_num_batched_tokens), str(scenario.max_num_seqs),
+        str(scenario.block_size), str(scenario.long_prefill_token_threshold), scenario.router,
+        str(scenario.enable_prefix_caching), scenario.interactive_shape,
+        repr(scenario.interactive_load), repr(duration_s),
     ]
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
-
-
-def _cache_file() -> Path:
-    base = os.environ.get(CACHE_ENV)
-    root = Path(base) if base else Path.home() / ".cache" / "borrowd"
-    return root / "rate_scale.json"
-
-
-def _read_disk_cache() -> dict[str, float]:
-    try:
-        data = json.loads(_cache_file().read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _write_disk_cache(key: str, value: float) -> None:
-    path = _cache_file()
-    try:
-        data = _read_disk_cache()
-        data[key] = value
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-        tmp.replace(path)
-    except OSError:
-        return  # a read-only home only costs a recalibration next time
+    digest.update("|".join(parts).encode())
+    return digest.hexdigest()
 
 
 def calibrate_rate_scale(scenario: Scenario, trace: Trace, engine: str = DEFAULT_ENGINE,
                          duration_s: float | None = None) -> float:
     """Rate scale at which interactive work alone keeps the fleet `interactive_load` busy
-    over a run of `duration_s` (capped at the scenario's `calibration_s`)."""
+    over a run of `duration_s` (capped at the scenario's `calibration_s`); deterministic."""
     span_s = min(duration_s or scenario.calibration_s, scenario.calibration_s)
     key = _cache_key(scenario, trace, engine, span_s)
     if key in _memory_cache:
         return _memory_cache[key]
-    disk = _read_disk_cache().get(key)
-    if isinstance(disk, float):
-        _memory_cache[key] = disk
-        return disk
     target = scenario.interactive_load
+
+    def busy(k: float) -> float:
+        return round(busy_fraction(scenario, trace, k, engine, span_s), BUSY_DECIMALS)
+
     k0 = 1.0
-    b0 = busy_fraction(scenario, trace, k0, engine, span_s)
-    k1 = k0 * target / b0
-    b1 = busy_fraction(scenario, trace, k1, engine, span_s)
+    b0 = busy(k0)
+    k1 = _snap(k0 * target / b0)
+    b1 = busy(k1)
     for _ in range(CALIBRATION_ITERATIONS):
         if abs(b1 - target) <= CALIBRATION_TOLERANCE or b1 == b0:
             break
         k2 = k1 + (target - b1) * (k1 - k0) / (b1 - b0)
-        k2 = min(max(k2, k1 / 4), k1 * 4)
+        k2 = _snap(min(max(k2, k1 / 4), k1 * 4))
         k0, b0 = k1, b1
-        k1, b1 = k2, busy_fraction(scenario, trace, k2, engine, span_s)
+        k1, b1 = k2, busy(k2)
     _memory_cache[key] = k1
-    _write_disk_cache(key, k1)
     return k1
+
+
+def slo_json(scenario: Scenario) -> dict[str, float]:
+    """The scenario's SLOs as the JSON reports carry them."""
+    slo = scenario.slo
+    return {"ttft_p95_s": slo.ttft_p95_s, "itl_p95_s": slo.itl_p95_s,
+            "success_rate": slo.success_rate}
 
 
 def run_scenario(

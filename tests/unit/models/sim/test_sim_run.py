@@ -188,16 +188,30 @@ def test_output_cap_clamps_batch_requests() -> None:
     assert all(req.max_output_tokens <= 16 for req, _, _ in sim._batch_inflight.values())
 
 
-def test_calibration_reaches_target_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_calibration_reaches_target_load() -> None:
     """The rate scale found makes interactive work alone keep the fleet at the target load."""
-    monkeypatch.setenv("BORROWD_CACHE_DIR", str(tmp_path))
     scenario = SEED.with_overrides(calibration_s=60.0, interactive_load=0.3)
     trace, _ = load_inputs(scenario)
     scale = calibrate_rate_scale(scenario, trace)
-    assert (tmp_path / "rate_scale.json").exists()
     from models.sim.run import busy_fraction
 
     assert busy_fraction(scenario, trace, scale, "native", 60.0) == pytest.approx(0.3, abs=0.01)
+
+
+def test_calibration_is_deterministic(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same trace content and scenario give a bit-identical scale, cache or no cache,
+    whatever the trace file is called, with no file written anywhere."""
+    import dataclasses
+
+    from models.sim import run as run_module
+
+    scenario = SEED.with_overrides(calibration_s=60.0, interactive_load=0.35)
+    trace, _ = load_inputs(scenario)
+    first = calibrate_rate_scale(scenario, trace)
+    monkeypatch.setattr(run_module, "_memory_cache", {})
+    renamed = dataclasses.replace(trace, path=Path("/elsewhere/copy.csv"))
+    assert calibrate_rate_scale(scenario, renamed) == first
+    assert first == float(f"{first:.5e}")  # snapped to 6 significant digits
 
 
 @pytest.mark.parametrize(
