@@ -22,6 +22,7 @@ from models.errors import BorrowdError
 # or more subcommands whose parsers set `func(args) -> int`.
 COMMAND_MODULES: tuple[str, ...] = (
     "controller.cli.sim",
+    "controller.cli.scenario",
     "controller.cli.ops",
     "controller.cli.daemon",
     "controller.cli.loadgen",

@@ -11,8 +11,9 @@ from models.errors import InputError
 from models.sim.bench import format_table, plot, run_bench
 from models.sim.cores import DEFAULT_ENGINE, ENGINE_CORES
 from models.sim.profiles import get_profile
-from models.sim.run import run_scenario
-from models.sim.scenario import ADMISSION, ENFORCEMENTS, Scenario, get_scenario
+from models.sim.run import run_scenario, slo_json
+from models.sim.scenario import ENFORCEMENTS, Scenario, get_scenario
+from models.sim.scenario_file import with_slo
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -35,21 +36,31 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument("--plot", type=Path, help="write a latency/utilization plot (PNG)")
     bench.add_argument("--plant", type=Path, help="identified plant model (pi/mpc/slack)")
     bench.add_argument("--workers", type=int, default=2, help="parallel runs (processes)")
+    bench.add_argument("--no-speed", action="store_true",
+                       help="leave the wall-clock speed column out of the table (the rest "
+                            "is identical on every run and machine)")
     bench.set_defaults(func=cmd_bench)
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--scenario", default="seed", help="scenario name (seed, seed-failure)")
+    p.add_argument("--scenario", default="seed",
+                   help="built-in scenario (seed, seed-failure) or a scenario TOML file "
+                        "(`borrowd scenario example` prints a template)")
+    p.add_argument("--slo-ttft-p95-s", type=float,
+                   help="interactive p95 TTFT SLO in seconds (default: the scenario's)")
+    p.add_argument("--slo-itl-p95-s", type=float,
+                   help="interactive p95 inter-token latency SLO in seconds "
+                        "(default: the scenario's)")
     p.add_argument("--duration", type=float, default=3600.0, help="simulated seconds")
     p.add_argument("--seed", type=int, default=0, help="random seed (batch draws)")
     p.add_argument("--interactive-trace", help="trace file (Azure CSV or JSONL)")
     p.add_argument("--interactive-load", type=float,
                    help="GPU busy fraction of interactive work alone (default 0.40)")
     p.add_argument("--profile", help="step-time profile (h100-llama3-8b, a100-llama3-8b)")
-    p.add_argument("--enforcement", default=ADMISSION,
+    p.add_argument("--enforcement",
                    help=f"how the batch budget is enforced ({' | '.join(ENFORCEMENTS)}): "
                         "the admission gate, or the gate plus the engine plugin's per-step "
-                        "batch token limit")
+                        "batch token limit (default: the scenario's)")
     p.add_argument("--engine", default=DEFAULT_ENGINE,
                    help=f"engine core ({', '.join(sorted(ENGINE_CORES))})")
 
@@ -57,13 +68,12 @@ def _common(p: argparse.ArgumentParser) -> None:
 def _scenario(args: argparse.Namespace) -> Scenario:
     if not args.duration > 0:
         raise InputError(f"--duration must be > 0 seconds, got {args.duration:g}")
-    scenario = get_scenario(args.scenario)
+    scenario = with_slo(get_scenario(args.scenario), args.slo_ttft_p95_s, args.slo_itl_p95_s)
     changes: dict[str, object] = {}
-    if args.enforcement not in ENFORCEMENTS:
-        raise InputError(
-            f"--enforcement must be one of {', '.join(ENFORCEMENTS)}, got {args.enforcement!r}"
-        )
-    if args.enforcement != ADMISSION:
+    if args.enforcement is not None:
+        if args.enforcement not in ENFORCEMENTS:
+            raise InputError(f"--enforcement must be one of {', '.join(ENFORCEMENTS)}, "
+                             f"got {args.enforcement!r}")
         changes["enforcement"] = args.enforcement
     if args.profile:
         get_profile(args.profile)
@@ -91,6 +101,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
         controllers=SimControllers(),
     )
     summary = result.summary()
+    summary["slo"] = slo_json(scenario)
     if args.json:
         args.json.write_text(json.dumps(summary, indent=1) + "\n")
     print(format_table([summary]))
@@ -116,9 +127,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     )
     print(
         f"scenario {scenario.name}, {args.duration:g} s simulated, interactive rate scale "
-        f"{report['interactive_rate_scale']:.4f} (load {scenario.interactive_load:g})"
+        f"{report['interactive_rate_scale']:.6g} (load {scenario.interactive_load:g}), SLO "
+        f"p95 TTFT {scenario.slo.ttft_p95_s:g} s, p95 ITL {scenario.slo.itl_p95_s * 1000:g} ms, "
+        f"success {scenario.slo.success_rate:g}"
     )
-    print(format_table(report["rows"]))  # type: ignore[arg-type]
+    print(format_table(report["rows"], speed=not args.no_speed))  # type: ignore[arg-type]
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n")
     if args.plot:

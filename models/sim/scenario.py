@@ -1,10 +1,11 @@
-"""Named simulation scenarios as frozen dataclasses (`seed` and its variants, DESIGN.md).
+"""Simulation scenarios as frozen dataclasses (`seed` and its variants, DESIGN.md).
 
 A scenario fixes the fleet (replicas, profile, engine settings, router), the interactive
 workload (trace, target load, burst), the batch workload (backlog or fixed rate), optional
 replica failures, the SLO and how the batch budget is enforced (`enforcement`). Times that
 depend on the run length (burst, failure) are given as fractions of the duration so that a
-20-minute and a one-hour run both contain them.
+20-minute and a one-hour run both contain them. Scenarios are written as TOML files
+(`models.sim.scenario_file`); the built-in ones are such files, `SEED` is their defaults.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ ENFORCEMENTS = (ADMISSION, ENGINE)
 
 BACKLOG = "backlog"
 RATE = "rate"
+
+TRACE_SHAPE = "trace"  # interactive requests replayed as the trace has them
+MULTI_TURN = "multi-turn"  # each turn's prompt is its conversation so far (shared prefixes)
+INTERACTIVE_SHAPES = (TRACE_SHAPE, MULTI_TURN)
 
 
 @dataclass(frozen=True)
@@ -88,10 +93,12 @@ class Scenario:
     max_num_seqs: int = 256
     block_size: int = 16
     long_prefill_token_threshold: int = 0
+    enable_prefix_caching: bool = True
     router: str = LEAST_TOKENS
     interactive_trace: str = "azure2023_conv.csv"
     interactive_load: float = 0.40
     interactive_priority: int = 0
+    interactive_shape: str = TRACE_SHAPE
     burst: Burst | None = field(default_factory=Burst)
     batch: BatchWorkload = field(default_factory=BatchWorkload)
     failure: Failure | None = None
@@ -116,7 +123,15 @@ class Scenario:
                 f"enforcement must be one of {', '.join(ENFORCEMENTS)}, got {self.enforcement!r}"
             )
         if self.failure is not None and not 0 <= self.failure.replica < self.replicas:
-            raise InputError(f"scenario {self.name}: failure replica out of range")
+            raise InputError(
+                f"failure.replica must be < replicas ({self.replicas}), "
+                f"got {self.failure.replica}"
+            )
+        if self.interactive_shape not in INTERACTIVE_SHAPES:
+            raise InputError(
+                f"interactive shape must be one of {', '.join(INTERACTIVE_SHAPES)}, "
+                f"got {self.interactive_shape!r}"
+            )
 
     def with_overrides(self, **changes: object) -> Scenario:
         """A copy with some fields replaced (validated again)."""
@@ -125,13 +140,11 @@ class Scenario:
 
 SEED = Scenario(name="seed")
 SEED_FAILURE = Scenario(name="seed-failure", failure=Failure())
-SCENARIOS: dict[str, Scenario] = {s.name: s for s in (SEED, SEED_FAILURE)}
 
 
-def get_scenario(name: str) -> Scenario:
-    """The scenario called `name`; `InputError` naming the known ones otherwise."""
-    try:
-        return SCENARIOS[name]
-    except KeyError:
-        known = ", ".join(sorted(SCENARIOS))
-        raise InputError(f"unknown scenario {name!r} (known: {known})") from None
+def get_scenario(name_or_path: str) -> Scenario:
+    """A built-in scenario by name (its file in `models/sim/data/scenarios/`), or a scenario
+    TOML file by path; `InputError` naming the known ones otherwise."""
+    from models.sim.scenario_file import get_scenario as from_file
+
+    return from_file(name_or_path)
