@@ -3,23 +3,36 @@
 The queries read the recording rules shipped in `deploy/prometheus/borrowd.rules.yml`
 (per-class p95 TTFT and ITL from the proxy's histograms, success ratio, token rates, vLLM KV
 usage, queue depth and preemptions, and the share of ITL gaps and first tokens above the
-default SLOs, 50 ms and 1 s, both vLLM bucket bounds). Every query has a short timeout and is
-tried once: a failed, empty or NaN answer leaves its field NaN (the supervisor reads that as
-not safe) and is counted. Also here: range queries over recorded series, for identification.
+default SLOs, 50 ms and 1 s, both vLLM bucket bounds). Every query is tried once and bounded
+as a whole (connect, headers and body within its timeout, so a Prometheus that answers one
+byte at a time cannot hold a tick); queries are evaluated at Prometheus's own time, so the
+data's age is measured on Prometheus's clock, not the daemon's. A failed, empty, NaN or
+impossible answer (a negative latency, a ratio above 1) leaves its field NaN (the supervisor
+reads that as not safe) and is counted. Also here: range queries over recorded series, for
+identification.
 """
 
 from __future__ import annotations
 
+import base64
+import contextlib
+import http.client
+import json
 import math
 import re
+import socket
+import ssl
+import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Protocol
+from urllib.parse import unquote, urlencode, urlsplit
 
 import numpy as np
 import requests
-from prometheus_api_client import PrometheusApiClientException, PrometheusConnect
-from urllib3.util.retry import Retry
+from prometheus_api_client import PrometheusApiClientException
 
 from models.errors import InputError
 from models.signals import Observation
@@ -32,6 +45,12 @@ TRANSPORT = "transport"  # connection refused, timeout, DNS: Prometheus unreacha
 HTTP = "http"  # Prometheus answered with an error status (bad query, overload)
 EMPTY = "empty"  # no series: a scrape target or a recording rule is missing
 NOT_A_NUMBER = "nan"  # the series exists but holds NaN or is unparsable
+IMPOSSIBLE = "impossible"  # a value no healthy fleet reports (negative latency, ratio > 1)
+
+# Largest answer body read from Prometheus (a pool's instant queries answer a few kB).
+MAX_ANSWER_BYTES = 16 * 1024 * 1024
+# The values each observed field can take; anything else (and +-inf) reads as missing.
+_FRACTIONS = ("success_rate", "kv_usage_frac", "itl_over_slo_frac", "ttft_over_slo_frac")
 
 # (pool, field, kind, detail) -> None; the daemon counts and logs these.
 ErrorSink = Callable[[str, str, str, str], None]
@@ -110,14 +129,113 @@ def data_age_query(pool: str) -> str:
     )
 
 
-def connect_prometheus(url: str, timeout_s: float) -> PrometheusConnect:
-    """A client for `url` that tries each query once and gives up after `timeout_s`."""
-    return PrometheusConnect(
-        url=url,
-        disable_ssl=False,
-        retry=Retry(total=0, connect=0, read=0, redirect=0, status=0, raise_on_status=False),
-        timeout=timeout_s,
-    )
+class PromClient(Protocol):
+    """The two Prometheus HTTP API calls borrowd makes."""
+
+    def custom_query(self, query: str, params: dict | None = None,
+                     timeout: float | None = None) -> list: ...
+
+    def custom_query_range(self, query: str, start_time: datetime, end_time: datetime,
+                           step: str, params: dict | None = None,
+                           timeout: float | None = None) -> list: ...
+
+
+class BoundedPrometheus:
+    """Prometheus's query API over `http.client`, each call bounded as a whole.
+
+    A watchdog shuts the socket at the deadline, so headers or a body trickling in one byte
+    at a time end the call after `timeout` seconds (`TimeoutError`) instead of holding it
+    for as long as each single read keeps arriving. Tried once, no retries. A refused
+    connection raises `ConnectionError`, an error status `PrometheusApiClientException`, a
+    body that is not the API's JSON `ValueError`. Basic auth comes from the URL's userinfo.
+    """
+
+    def __init__(self, url: str, timeout_s: float) -> None:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise InputError("Prometheus URL must be http(s)://host[:port][/prefix]")
+        self.url = url
+        self.timeout_s = timeout_s
+        self._https = parts.scheme == "https"
+        self._host = parts.hostname
+        self._port = parts.port or (443 if self._https else 80)
+        self._prefix = parts.path.rstrip("/")
+        self._headers = {"Accept": "application/json"}
+        if parts.username is not None:
+            pair = f"{unquote(parts.username)}:{unquote(parts.password or '')}"
+            token = base64.b64encode(pair.encode()).decode()
+            self._headers["Authorization"] = f"Basic {token}"
+
+    def custom_query(self, query: str, params: dict | None = None,
+                     timeout: float | None = None) -> list:
+        """The `result` of an instant query (at Prometheus's time unless params say)."""
+        return self._get("/api/v1/query", {"query": query, **(params or {})}, timeout)
+
+    def custom_query_range(self, query: str, start_time: datetime, end_time: datetime,
+                           step: str, params: dict | None = None,
+                           timeout: float | None = None) -> list:
+        """The `result` of a range query."""
+        args = {"query": query, "start": f"{start_time.timestamp():.3f}",
+                "end": f"{end_time.timestamp():.3f}", "step": step, **(params or {})}
+        return self._get("/api/v1/query_range", args, timeout)
+
+    def _connection(self, timeout_s: float) -> http.client.HTTPConnection:
+        if self._https:
+            return http.client.HTTPSConnection(self._host, self._port, timeout=timeout_s,
+                                               context=ssl.create_default_context())
+        return http.client.HTTPConnection(self._host, self._port, timeout=timeout_s)
+
+    def _get(self, path: str, params: dict, timeout: float | None) -> list:
+        timeout_s = self.timeout_s if timeout is None else timeout
+        started = time.monotonic()
+        conn = self._connection(timeout_s)
+        try:
+            conn.connect()
+        except OSError as exc:
+            conn.close()
+            if isinstance(exc, TimeoutError):
+                raise TimeoutError(f"no connection within {timeout_s:g} s") from None
+            raise ConnectionError(f"{type(exc).__name__}: {exc}") from None
+        expired = threading.Event()
+
+        def cut() -> None:
+            expired.set()
+            sock = conn.sock
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+        watchdog = threading.Timer(max(0.0, timeout_s - (time.monotonic() - started)), cut)
+        watchdog.daemon = True
+        watchdog.start()
+        try:
+            conn.request("GET", f"{self._prefix}{path}?{urlencode(params)}",
+                         headers=self._headers)
+            response = conn.getresponse()
+            body = response.read(MAX_ANSWER_BYTES)
+            status = response.status
+        except (OSError, http.client.HTTPException) as exc:
+            if expired.is_set():
+                raise TimeoutError(f"no complete answer within {timeout_s:g} s") from None
+            raise ConnectionError(f"{type(exc).__name__}: {exc}") from None
+        finally:
+            watchdog.cancel()
+            conn.close()
+        if expired.is_set():
+            raise TimeoutError(f"no complete answer within {timeout_s:g} s")
+        if status != 200:
+            raise PrometheusApiClientException(
+                f"HTTP Status Code {status} ({body[:200].decode(errors='replace')})"
+            )
+        answer = json.loads(body)
+        if not isinstance(answer, dict) or answer.get("status") != "success":
+            raise ValueError(f"not a successful API answer: {body[:200]!r}")
+        return answer["data"]["result"]
+
+
+def connect_prometheus(url: str, timeout_s: float) -> BoundedPrometheus:
+    """A client for `url` that tries each query once and ends it after `timeout_s` in all."""
+    return BoundedPrometheus(url, timeout_s)
 
 
 class _QueryFailed(Exception):
@@ -146,6 +264,15 @@ def parse_instant(result: Sequence[Mapping]) -> float:
     return max(values)
 
 
+def check_possible(field: str, value: float) -> float:
+    """`value` if a healthy fleet can report it for `field` (finite; >= 0; a fraction at most
+    1), else `_QueryFailed` (IMPOSSIBLE): the field then reads as missing, never as healthy."""
+    upper = 1.0 if field in _FRACTIONS else math.inf
+    if not (math.isfinite(value) and 0.0 <= value <= upper):
+        raise _QueryFailed(IMPOSSIBLE, f"{field} cannot be {value!r}")
+    return value
+
+
 class PrometheusSource:
     """`MetricsSource` reading a pool's signals from Prometheus recording rules.
 
@@ -157,7 +284,7 @@ class PrometheusSource:
 
     def __init__(
         self,
-        client: PrometheusConnect,
+        client: PromClient,
         *,
         window: str,
         timeout_s: float,
@@ -180,7 +307,8 @@ class PrometheusSource:
         reachable = True
         for query in pool_queries(pool, self._window):
             try:
-                values[query.field] = parse_instant(self._query(query.expr, now_s))
+                values[query.field] = check_possible(query.field, parse_instant(self._query(
+                    query.expr)))
             except _QueryFailed as exc:
                 self._report(pool, query.field, exc)
                 if exc.kind == TRANSPORT:
@@ -189,19 +317,19 @@ class PrometheusSource:
         age_s = self.last_success_age_s(pool, now_s)
         if reachable:
             try:
-                age_s = max(0.0, parse_instant(self._query(data_age_query(pool), now_s)))
+                age_s = max(0.0, parse_instant(self._query(data_age_query(pool))))
                 self._last_success_s[pool] = now_s - age_s
             except _QueryFailed as exc:
                 self._report(pool, "age_s", exc)
                 age_s = self.last_success_age_s(pool, now_s)
         return Observation(now_s=now_s, age_s=age_s, **values)
 
-    def _query(self, expr: str, now_s: float) -> list[dict]:
+    def _query(self, expr: str) -> list[dict]:
+        # No `time` parameter: Prometheus evaluates at its own now, so `time()` in the age
+        # query and the samples it compares with are on one clock, whatever the daemon's says.
         try:
-            return self._client.custom_query(
-                expr, params={"time": f"{now_s:.3f}"}, timeout=self._timeout_s
-            )
-        except requests.RequestException as exc:
+            return self._client.custom_query(expr, timeout=self._timeout_s)
+        except (requests.RequestException, OSError) as exc:
             raise _QueryFailed(TRANSPORT, f"{type(exc).__name__}: {exc}") from None
         except PrometheusApiClientException as exc:
             raise _QueryFailed(HTTP, str(exc)[:300]) from None
@@ -222,7 +350,7 @@ class RangeSeries:
 
 
 def query_range(
-    client: PrometheusConnect,
+    client: PromClient,
     expr: str,
     *,
     start_s: float,
@@ -246,7 +374,8 @@ def query_range(
             step=f"{step_s:g}s",
             timeout=timeout_s,
         )
-    except (requests.RequestException, PrometheusApiClientException, ValueError) as exc:
+    except (requests.RequestException, OSError, PrometheusApiClientException,
+            ValueError) as exc:
         raise InputError(f"range query {expr!r} failed: {exc}") from None
     if not result:
         raise InputError(f"range query {expr!r} returned no series between {start_s} and {end_s}")
@@ -280,7 +409,7 @@ def identification_queries(pool: str, window: str) -> dict[str, str]:
 
 
 def identification_series(
-    client: PrometheusConnect,
+    client: PromClient,
     pool: str,
     *,
     start_s: float,

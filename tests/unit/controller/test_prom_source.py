@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import math
+import socket
+import threading
+import time
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -12,6 +16,7 @@ from prometheus_api_client import PrometheusApiClientException
 from controller.prom_source import (
     EMPTY,
     HTTP,
+    IMPOSSIBLE,
     NOT_A_NUMBER,
     TRANSPORT,
     PrometheusSource,
@@ -22,6 +27,7 @@ from controller.prom_source import (
     query_range,
 )
 from models.errors import InputError
+from tests.support.servers import free_port
 
 FIELD_VALUES = {
     "ttft_p95_s": 0.4,
@@ -109,13 +115,33 @@ def test_slo_burn_fields_read_the_over_slo_rules(window: str) -> None:
     )
 
 
-def test_queries_are_evaluated_at_now_with_the_short_timeout() -> None:
-    """Each query is sent once, at the tick's time, with the configured timeout."""
+def test_queries_are_evaluated_at_prometheus_time_with_the_short_timeout() -> None:
+    """Each query is sent once, with the configured timeout and no `time` of the daemon's:
+    Prometheus evaluates at its own now, so staleness is measured on its clock."""
     client = FakeClient(healthy_answers(), default=age_default())
     make_source(client, []).observe("chat", 1234.5)
     assert len(client.asked) == len(pool_queries("chat", "15s")) + 1
-    assert {params["time"] for _, params, _ in client.asked} == {"1234.500"}
+    assert all("time" not in params for _, params, _ in client.asked)
     assert {timeout for _, _, timeout in client.asked} == {0.25}
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("ttft_p95_s", "-0.5"), ("itl_p95_s", "-1e-3"), ("kv_usage_frac", "-0.1"),
+     ("kv_usage_frac", "1.5"), ("success_rate", "7"), ("interactive_queue_depth", "-3"),
+     ("itl_over_slo_frac", "2"), ("ttft_p95_s", "+Inf"), ("batch_tokens_per_s", "-Inf")],
+    ids=["negative-ttft", "negative-itl", "negative-kv", "kv-above-1", "success-7",
+         "negative-queue", "share-above-1", "inf-ttft", "minus-inf-rate"],
+)
+def test_impossible_values_read_as_missing(field: str, value: str) -> None:
+    """A value no healthy fleet reports is not healthy: its field is NaN and it is counted."""
+    answers = healthy_answers()
+    answers[next(q.expr for q in pool_queries("chat", "15s") if q.field == field)] = (
+        instant(value))
+    errors: list = []
+    obs = make_source(FakeClient(answers, default=age_default()), errors).observe("chat", 1.0)
+    assert obs.missing() == [field]
+    assert [(f, kind) for _, f, kind, _ in errors] == [(field, IMPOSSIBLE)]
 
 
 @pytest.mark.parametrize(
@@ -197,12 +223,66 @@ def test_bad_pool_or_window_is_refused(pool: str, window: str) -> None:
 
 
 def test_client_tries_each_query_once() -> None:
-    """The production client has no retries and the configured timeout."""
-    client = connect_prometheus("http://127.0.0.1:1", 0.3)
-    adapter = client._session.get_adapter("http://127.0.0.1:1/api/v1/query")
-    assert adapter.max_retries.total == 0
-    with pytest.raises(requests.ConnectionError):
+    """The production client makes one attempt: a refused connection fails at once."""
+    client = connect_prometheus(f"http://127.0.0.1:{free_port()}", 0.3)
+    start = time.monotonic()
+    with pytest.raises(ConnectionError):
         client.custom_query("up")
+    assert time.monotonic() - start < 0.3
+
+
+@pytest.fixture
+def drip_server() -> Iterator[int]:
+    """An HTTP server that answers every request one byte each 50 ms (slowloris upstream)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    stop = threading.Event()
+    answer = (b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 63\r\n'
+              b'\r\n{"status":"success","data":{"resultType":"vector","result":[]}}')
+
+    def drip(conn: socket.socket) -> None:
+        with conn:
+            conn.recv(65536)
+            for byte in answer:
+                if stop.wait(0.05):
+                    return
+                try:
+                    conn.sendall(bytes([byte]))
+                except OSError:
+                    return
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=drip, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        yield port
+    finally:
+        stop.set()
+        listener.close()
+
+
+def test_a_prometheus_answering_byte_by_byte_cannot_hold_the_tick(drip_server: int) -> None:
+    """Every read arrives well within the timeout, but the whole answer would take ~10 s:
+    the query ends at its 0.3 s deadline and the tick goes on with NaN and a stale age."""
+    client = connect_prometheus(f"http://127.0.0.1:{drip_server}", 0.3)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError):
+        client.custom_query("up")
+    assert time.monotonic() - start < 0.6
+    errors: list = []
+    source = PrometheusSource(client, window="15s", timeout_s=0.3,
+                              on_error=lambda *e: errors.append(e))
+    start = time.monotonic()
+    obs = source.observe("chat", 1.0)
+    assert time.monotonic() - start < 0.6
+    assert [kind for _, _, kind, _ in errors] == [TRANSPORT]
+    assert len(obs.missing()) == len(FIELD_VALUES) and math.isinf(obs.age_s)
 
 
 def test_range_query_merges_series_by_max_and_drops_nan() -> None:
