@@ -7,6 +7,14 @@ upstream's data callback writes the chunk straight to the client's transport (`R
 write`, chunked framing in one `transport.write`), with no task switch per chunk. Requests
 are parsed by httptools; each runs one handler task; pipelined requests on a connection
 are answered in order; a client that disconnects cancels its handler.
+
+What a client may hold is bounded as uvicorn, h11 and nginx bound it (`ServerLimits`): the
+request line and headers by size (431) and count (431); the body by size, declared or
+streamed (413 at once, before any body arrives); the time to send the headers, the body,
+and the time a keep-alive connection may sit idle (slowloris); and the open connections (an
+idle one is closed to make room, else the newcomer gets 503). Only `chunked` is accepted as
+a Transfer-Encoding (others get 501); an HTTP/1.0 client gets a stream unframed, ended by
+closing the connection.
 """
 
 from __future__ import annotations
@@ -28,6 +36,36 @@ import httptools
 from adapters.proxy.openai import error_body
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """What one client connection may hold; defaults follow uvicorn, h11 and nginx."""
+
+    max_header_bytes: int = 65_536
+    """Request line plus headers, bytes (more: 431)."""
+    max_headers: int = 100
+    """Header fields per request (more: 431)."""
+    header_timeout_s: float = 10.0
+    """From a request's first byte to the end of its headers (slower: 408, closed)."""
+    body_timeout_s: float = 60.0
+    """From the end of the headers to the end of the body (slower: 408, closed)."""
+    idle_timeout_s: float = 60.0
+    """How long a keep-alive connection may wait for its next request."""
+    max_connections: int = 1024
+    """Open client connections; past it idle ones are closed, else the newcomer gets 503."""
+
+
+class _StopReading(Exception):
+    """Read no more from this connection: its handler answers and closes it."""
+
+
+class _Refusal(Exception):
+    """A request the server answers itself (status, message), then closes."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,13 +112,15 @@ def no_delay(transport: asyncio.BaseTransport) -> asyncio.Transport:
 
 
 def response_head(status: int, headers: Mapping[str, str], *, keep_alive: bool,
-                  content_length: int | None) -> bytes:
-    """Status line and headers of a response; chunked when `content_length` is None."""
+                  content_length: int | None, chunked: bool = True) -> bytes:
+    """Status line and headers of a response; chunked when `content_length` is None (unless
+    `chunked` is False: an HTTP/1.0 body that ends when the connection closes)."""
     lines = [b"HTTP/1.1 %d %s" % (status, _REASONS.get(status, b"Unknown")),
              b"Date: " + _DATE.value(), b"Server: borrowd"]
     lines.extend(f"{name}: {value}".encode("latin-1") for name, value in headers.items())
     if content_length is None:
-        lines.append(b"Transfer-Encoding: chunked")
+        if chunked:
+            lines.append(b"Transfer-Encoding: chunked")
     else:
         lines.append(b"Content-Length: %d" % content_length)
     if not keep_alive:
@@ -97,11 +137,13 @@ class Responder:
     high and low marks, so a stream's upstream can stop reading while the client is slow.
     """
 
-    __slots__ = ("_conn", "_flow", "finished", "keep_alive", "started")
+    __slots__ = ("_conn", "_flow", "_framed", "finished", "keep_alive", "started")
 
-    def __init__(self, conn: _Connection, keep_alive: bool) -> None:
+    def __init__(self, conn: _Connection, keep_alive: bool, framed: bool = True) -> None:
         self._conn = conn
         self.keep_alive = keep_alive
+        self._framed = framed
+        """False for an HTTP/1.0 client: no chunked framing, the stream ends by closing."""
         self.started = False
         self.finished = False
         self._flow: tuple[Callable[[], None], Callable[[], None]] | None = None
@@ -120,21 +162,30 @@ class Responder:
                                        content_length=len(body)) + body)
 
     def start_stream(self, status: int, headers: Mapping[str, str]) -> None:
-        """Send the head of a chunked response."""
+        """Send the head of a chunked response (unframed to an HTTP/1.0 client)."""
         self.started = True
-        self._conn.write(response_head(status, headers, keep_alive=self.keep_alive,
-                                       content_length=None))
+        if self._framed:
+            self._conn.write(response_head(status, headers, keep_alive=self.keep_alive,
+                                           content_length=None))
+        else:
+            self.keep_alive = False
+            self._conn.write(response_head(status, headers, keep_alive=False,
+                                           content_length=None, chunked=False))
 
     def write(self, data: bytes) -> None:
         """Send `data` as one chunk of a started stream (empty data is skipped)."""
         if data:
-            self._conn.write(b"%x\r\n%b\r\n" % (len(data), data))
+            if self._framed:
+                self._conn.write(b"%x\r\n%b\r\n" % (len(data), data))
+            else:
+                self._conn.write(data)
 
     def end(self) -> None:
         """End a started stream."""
         if not self.finished:
             self.finished = True
-            self._conn.write(b"0\r\n\r\n")
+            if self._framed:
+                self._conn.write(b"0\r\n\r\n")
 
     def on_flow(self, pause: Callable[[], None], resume: Callable[[], None]) -> None:
         """Call `pause` when the client's write buffer is full, `resume` when it drains."""
@@ -152,28 +203,47 @@ class Responder:
 
 
 class _Connection(asyncio.Protocol):
-    """One client connection: parse requests, run their handler tasks one at a time."""
+    """One client connection: parse requests, run their handler tasks one at a time.
+
+    `reading` is where the parser stands ("" between requests, "head", "body") and
+    `since_s` when it got there, or when the connection last went idle: the server's
+    sweeper closes a connection that stays in one of them past its limit.
+    """
 
     def __init__(self, server: HttpServer) -> None:
         self._server = server
+        self._limits = server.limits
         self._parser = httptools.HttpRequestParser(self)
         self._transport: asyncio.Transport | None = None
         self.closed = False
         self._closing = False
         self.writing_paused = False
-        self._pending: deque[tuple[HttpRequest, bool]] = deque()
+        self._pending: deque[tuple[HttpRequest, bool, bool]] = deque()
         self._task: asyncio.Task | None = None
         self._responder: Responder | None = None
+        self.reading = ""
+        self.since_s = time.monotonic()
         self._url = b""
         self._headers: dict[str, str] = {}
+        self._header_bytes = 0
+        self._header_count = 0
         self._body: list[bytes] = []
         self._body_bytes = 0
-        self._too_large = False
+        self._discarding = False
+
+    @property
+    def idle(self) -> bool:
+        """No request in progress: nothing being read, handled or waiting."""
+        return (not self.reading and not self._pending
+                and (self._task is None or self._task.done()))
 
     # -- transport -------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = no_delay(transport)
+        if not self._server.admit(self):
+            self._refuse(503, "too many connections; retry shortly", retry_after_s=1)
+            return
         self._server.connections.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -197,8 +267,16 @@ class _Connection(asyncio.Protocol):
             self._responder._resume()
 
     def data_received(self, data: bytes) -> None:
+        if self._discarding:
+            return
         try:
             self._parser.feed_data(data)
+        except httptools.HttpParserCallbackError as exc:
+            refusal = exc.__context__
+            if isinstance(refusal, _Refusal):
+                self._refuse(refusal.status, str(refusal))
+            elif not isinstance(refusal, _StopReading):
+                raise
         except httptools.HttpParserUpgrade:
             self._refuse(400, "protocol upgrades are not supported")
         except httptools.HttpParserError as exc:
@@ -215,58 +293,103 @@ class _Connection(asyncio.Protocol):
         if self._transport is not None and not self.closed:
             self._transport.close()
 
-    def _refuse(self, status: int, message: str) -> None:
-        """Answer a request that could not be parsed, then close."""
+    def _refuse(self, status: int, message: str, retry_after_s: int | None = None) -> None:
+        """Answer a request the server will not hand on, then close."""
+        self._discarding = True
         if self._task is None or self._task.done():
             body = error_body(status, message, kind="invalid_request_error")
-            self.write(response_head(status, {"Content-Type": "application/json"},
-                                     keep_alive=False, content_length=len(body)) + body)
+            headers = {"Content-Type": "application/json"}
+            if retry_after_s is not None:
+                headers["Retry-After"] = str(retry_after_s)
+            self.write(response_head(status, headers, keep_alive=False,
+                                     content_length=len(body)) + body)
         self.close()
+
+    def expire(self, now_s: float) -> None:
+        """Close the connection if it sat past a limit: idle, or slow to send its request."""
+        limits = self._limits
+        if self.reading == "head" and now_s - self.since_s > limits.header_timeout_s:
+            self._refuse(408, f"request headers not received within "
+                              f"{limits.header_timeout_s:g} s")
+        elif self.reading == "body" and now_s - self.since_s > limits.body_timeout_s:
+            self._refuse(408, f"request body not received within {limits.body_timeout_s:g} s")
+        elif self.idle and now_s - self.since_s > limits.idle_timeout_s:
+            self.close()
 
     # -- httptools callbacks -----------------------------------------------------------
 
     def on_message_begin(self) -> None:
+        self.reading = "head"
+        self.since_s = time.monotonic()
         self._url = b""
         self._headers = {}
+        self._header_bytes = 0
+        self._header_count = 0
         self._body = []
         self._body_bytes = 0
-        self._too_large = False
 
     def on_url(self, url: bytes) -> None:
         self._url += url
+        self._count_header_bytes(len(url))
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        self._header_count += 1
+        if self._header_count > self._limits.max_headers:
+            raise _Refusal(431, f"more than {self._limits.max_headers} header fields")
+        self._count_header_bytes(len(name) + len(value) + 4)
         key = name.decode("latin-1").lower()
         text = value.decode("latin-1")
         previous = self._headers.get(key)
         self._headers[key] = text if previous is None else f"{previous}, {text}"
 
+    def _count_header_bytes(self, size: int) -> None:
+        self._header_bytes += size
+        if self._header_bytes > self._limits.max_header_bytes:
+            raise _Refusal(431, f"request line and headers exceed "
+                                f"{self._limits.max_header_bytes} bytes")
+
     def on_headers_complete(self) -> None:
+        self.reading = "body"
+        self.since_s = time.monotonic()
+        coding = self._headers.get("transfer-encoding")
+        if coding is not None and coding.strip().lower() != "chunked":
+            raise _Refusal(501, f"Transfer-Encoding {coding!r} is not supported "
+                                "(only chunked)")
         length = self._headers.get("content-length", "")
         if length.isdigit() and int(length) > self._server.max_body_bytes:
-            self._too_large = True
+            self._oversized()
         elif self._headers.get("expect", "").lower() == "100-continue":
             self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, body: bytes) -> None:
-        if self._too_large:
-            return
         self._body_bytes += len(body)
         if self._body_bytes > self._server.max_body_bytes:
-            self._too_large = True
-            self._body = []
+            self._oversized()
         else:
             self._body.append(body)
 
+    def _oversized(self) -> None:
+        """Hand the request on at once, flagged too large and without its body, and read no
+        more from this connection: a declared 10 GB body is answered before it arrives."""
+        self._discarding = True
+        self._body = []
+        self._complete(too_large=True)
+        raise _StopReading
+
     def on_message_complete(self) -> None:
+        self._complete(too_large=False)
+
+    def _complete(self, too_large: bool) -> None:
+        self.reading = ""
         url = httptools.parse_url(self._url) if self._url else None
         request = HttpRequest(
             method=self._parser.get_method().decode("latin-1"),
             path=url.path.decode("latin-1") if url and url.path else "/",
             query=url.query.decode("latin-1") if url and url.query else "",
-            headers=self._headers, body=b"".join(self._body), too_large=self._too_large)
-        keep_alive = self._parser.should_keep_alive() and not self._too_large
-        self._pending.append((request, keep_alive))
+            headers=self._headers, body=b"".join(self._body), too_large=too_large)
+        keep_alive = self._parser.should_keep_alive() and not too_large
+        framed = self._parser.get_http_version() != "1.0"
+        self._pending.append((request, keep_alive, framed))
         if self._task is None:
             self._next()
 
@@ -276,9 +399,10 @@ class _Connection(asyncio.Protocol):
         self._task = None
         self._responder = None
         if self.closed or self._closing or not self._pending:
+            self.since_s = time.monotonic()
             return
-        request, keep_alive = self._pending.popleft()
-        responder = Responder(self, keep_alive)
+        request, keep_alive, framed = self._pending.popleft()
+        responder = Responder(self, keep_alive, framed)
         self._responder = responder
         task = self._task = start_eagerly(self._run(request, responder))
         task.add_done_callback(self._answered)
@@ -361,23 +485,54 @@ async def _drive(coro: Coroutine[Any, Any, None], blocked_on: Any) -> None:
 class HttpServer:
     """A listening HTTP/1.1 server; `cleanup()` stops it."""
 
-    def __init__(self, handler: Handler, max_body_bytes: int) -> None:
+    def __init__(self, handler: Handler, max_body_bytes: int,
+                 limits: ServerLimits = ServerLimits()) -> None:
         self.handler = handler
         self.max_body_bytes = max_body_bytes
+        self.limits = limits
         self.connections: set[_Connection] = set()
         self._server: asyncio.base_events.Server | None = None
+        self._sweeper: asyncio.Task | None = None
+
+    def admit(self, conn: _Connection) -> bool:
+        """Make room for a new connection: past the cap close the longest-idle one; False
+        when every connection is busy."""
+        if len(self.connections) < self.limits.max_connections:
+            return True
+        idle = [c for c in self.connections if c.idle]
+        if not idle:
+            log.warning("connection refused: %d open, none idle", len(self.connections))
+            return False
+        oldest = min(idle, key=lambda c: c.since_s)
+        self.connections.discard(oldest)
+        oldest.close()
+        return True
 
     async def start(self, host: str, port: int, backlog: int = 1024) -> None:
         """Listen on host:port."""
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: _Connection(self), host, port,
                                                 backlog=backlog, reuse_address=True)
+        self._sweeper = loop.create_task(self._sweep())
+
+    async def _sweep(self) -> None:
+        """Close connections past their header, body or idle time limit."""
+        limits = self.limits
+        interval_s = min(1.0, limits.header_timeout_s / 4, limits.body_timeout_s / 4,
+                         limits.idle_timeout_s / 4)
+        while True:
+            await asyncio.sleep(interval_s)
+            now_s = time.monotonic()
+            for conn in list(self.connections):
+                conn.expire(now_s)
 
     async def cleanup(self, shutdown_timeout_s: float = 5.0) -> None:
         """Stop listening, give running handlers `shutdown_timeout_s`, then close every
         connection (which cancels what still runs)."""
         if self._server is not None:
             self._server.close()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         tasks = [c._task for c in self.connections if c._task is not None and not c._task.done()]
         if tasks:
             await asyncio.wait(tasks, timeout=shutdown_timeout_s)
