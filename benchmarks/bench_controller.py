@@ -57,7 +57,7 @@ def bench(law: str, ticks: int) -> np.ndarray:
     times = np.empty(ticks)
     for k, obs in enumerate(observations(ticks, seed=1)):
         t0 = time.perf_counter()
-        policy.decide(obs, obs.now_s)
+        policy.step(obs, obs.now_s)
         times[k] = time.perf_counter() - t0
     return times
 

@@ -93,7 +93,23 @@ class SimControllers:
     def spec(self, name: str, scenario: Scenario, plant_path: Path | None) -> PolicySpec:
         """Policy `name` on `scenario`: engines on the priority policy, batch under the law."""
         return PolicySpec(name, PRIORITY, batch=True,
-                          controller=make_policy(name, scenario, plant_path))
+                          controller=Deciding(make_policy(name, scenario, plant_path)))
+
+
+@dataclass
+class Deciding:
+    """A `ControllerPolicy` as the simulator's `BudgetPolicy` (`decide` -> `step`)."""
+
+    policy: ControllerPolicy
+
+    @property
+    def tick_s(self) -> float:
+        """The policy's control period."""
+        return self.policy.tick_s
+
+    def decide(self, obs: Observation, now_s: float) -> Budget:
+        """The budget `step` decides."""
+        return self.policy.step(obs, now_s).budget
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from adapters.redact import redact_event
 from adapters.redis_conn import connect, redact_url
 from adapters.store import BudgetStore, FencedError, LeaderElection
 from controller.config import BorrowdConfig, PoolConfig
-from controller.policy import OUTPUTS, ControllerConfig, ControllerPolicy, build_policy
+from controller.policy import ControllerConfig, ControllerPolicy, build_policy
 from controller.prom_source import PrometheusSource, connect_prometheus
 from controller.sdnotify import Notifier
 from models.budget import Budget, Mode
@@ -501,21 +501,8 @@ def configure_logging(level: str) -> None:
 
 
 def policy_state(policy: ControllerPolicy) -> dict[str, float]:
-    """The control law's internal state as named numbers, for `borrowd_controller_state`.
-
-    The PI runs in velocity form, so its integral state is the budget it last applied.
-    """
-    ratios = policy.gain_ratios()
-    errors = policy.pi_state.errors
-    state = {
-        "u_applied_tokens_per_s": policy.u_applied,
-        "forecast_interactive_tokens_per_s": policy.forecast_state.level,
-        "ramp_ceiling_tokens_per_s": policy.sup_state.ramp_tokens_per_s,
-    }
-    for index, name in enumerate(OUTPUTS):
-        state[f"pi_error_{name}"] = errors[index]
-        state[f"gain_ratio_{name}"] = ratios[index]
-    return state
+    """The control law's internal state as named numbers, for `borrowd_controller_state`."""
+    return policy.state()
 
 
 def load_plant(pool: PoolConfig) -> PlantModel | None:

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy.optimize import linprog
 
+from controller.laws.base import OUTPUTS, LawSettings, LawTick, Proposal
+from controller.laws.feedforward import forecast
 from models.errors import ConfigError
 from models.plant.model import PlantModel
 
@@ -202,3 +204,73 @@ def mpc_step(
         free=tuple(tuple(float(v) for v in f) for f in free_all),
         violated=eps > 1e-6,
     )
+
+
+class MpcLaw:
+    """The MPC as a `Law` over the plant's FOPDT outputs (p95/SLO against the MPC
+    setpoints), planning on v = u + g * d with the forecast the feed-forward wrapper gives
+    and the gains scaled by the gain schedule's ratios."""
+
+    def __init__(self, settings: LawSettings) -> None:
+        if settings.plant is None:
+            raise ConfigError("controller.law = 'mpc' needs a plant model (borrowd identify)")
+        self.config = settings.table("mpc", MpcConfig)
+        self.tick_s = settings.tick_s
+        self.u_max_tokens_per_s = settings.u_max_tokens_per_s
+        self.names = settings.plant_outputs()
+        setpoints = {"ttft": self.config.setpoint_ttft_norm, "itl": self.config.setpoint_itl_norm}
+        self.outputs = mpc_outputs(
+            settings.plant, self.tick_s, {n: setpoints[n] for n in self.names}
+        )
+        self.mpc_state: MpcState | None = None
+
+    def _scheduled(self, tick: LawTick) -> tuple[MpcOutput, ...]:
+        ratios = dict(zip(OUTPUTS, tick.gain_ratios, strict=True))
+        return tuple(
+            MpcOutput(o.name, o.gain * ratios[o.name], o.pole, o.dead_steps, o.setpoint)
+            for o in self.outputs
+        )
+
+    def propose(self, tick: LawTick) -> Proposal:
+        """Solve the LP over the horizon; the first move's budget."""
+        n = max(1, round(self.config.horizon_s / self.tick_s))
+        level = tick.forecast.level
+        d_forecast = (
+            np.concatenate([[level], forecast(tick.forecast, n - 1)])
+            if math.isfinite(level)
+            else np.zeros(n)
+        )
+        outs = self._scheduled(tick)
+        if self.mpc_state is None:
+            self.mpc_state = mpc_initial_state(
+                outs, tick.u_applied_tokens_per_s + tick.ff_gain * d_forecast[0]
+            )
+        measured = tuple(tick.ys[OUTPUTS.index(name)] for name in self.names)
+        result = mpc_step(
+            outs,
+            self.mpc_state,
+            measured,
+            tick.u_applied_tokens_per_s,
+            d_forecast,
+            tick.ff_gain,
+            self.config,
+            self.tick_s,
+            0.0,
+            self.u_max_tokens_per_s,
+        )
+        return Proposal(result.u, tick)
+
+    def applied(self, tick: LawTick, u_tokens_per_s: float) -> None:
+        """Advance the internal model by the effective input actually applied."""
+        if self.mpc_state is None:
+            return
+        level = tick.forecast.level
+        v_now = u_tokens_per_s + tick.ff_gain * (level if math.isfinite(level) else 0.0)
+        self.mpc_state = mpc_advance(self._scheduled(tick), self.mpc_state, v_now)
+
+    def state(self) -> dict[str, float]:
+        """The internal model's output per modelled output."""
+        if self.mpc_state is None:
+            return {}
+        return {f"mpc_model_{o.name}": m
+                for o, m in zip(self.outputs, self.mpc_state.model_outputs, strict=True)}

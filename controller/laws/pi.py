@@ -16,8 +16,9 @@ the SIMC or IMC rules (`pi_gains`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from controller.laws.base import OUTPUTS, LawSettings, LawTick, Proposal, tracked_outputs
 from models.errors import ConfigError
 from models.plant.fopdt import FopdtFit
 
@@ -180,3 +181,63 @@ def pi_step(
     return PiResult(
         u=min(max(u, u_min), u_max), state=PiState(errors=tuple(errors)), selected=selected
     )
+
+
+class PiLaw:
+    """The PI law as a `Law`: one velocity-form loop per output on its SLO burn when
+    measured (against the burn setpoint), else on p95/SLO; gains from the plant by `method`
+    when it models the output, else the configured ones."""
+
+    def __init__(self, settings: LawSettings) -> None:
+        self.config = settings.table("pi", PiConfig)
+        self.u_max_tokens_per_s = settings.u_max_tokens_per_s
+        cfg = self.config
+        setpoints = {"ttft": cfg.setpoint_ttft_norm, "itl": cfg.setpoint_itl_norm}
+        modelled = settings.plant_outputs()
+        plant = settings.plant
+        loops = []
+        for name in OUTPUTS:
+            if plant is None or name not in modelled:
+                gains = PiGains(kp=cfg.kp_tokens_per_s, ki_per_s=cfg.ki_tokens_per_s2)
+            else:
+                fit = plant.output(name).fopdt(plant.dt_s, plant.u0_tokens_per_s)
+                gains = pi_gains(fit, cfg.method, cfg.tc_s, settings.tick_s)
+            loops.append(PiLoop(name, setpoints[name], gains))
+        self.loops = tuple(loops)
+        self.burn_setpoints = (cfg.setpoint_ttft_burn, cfg.setpoint_itl_burn)
+        self.pi_state = PiState.initial(len(OUTPUTS))
+
+    def law_outputs(self, tick: LawTick) -> tuple[tuple[float, ...], tuple[PiLoop, ...]]:
+        """What each loop tracks: its SLO burn against the burn setpoint when measured, else
+        its p95/SLO against the p95 setpoint."""
+        loops = tuple(
+            replace(loop, setpoint=sp) if math.isfinite(burn) else loop
+            for loop, burn, sp in zip(self.loops, tick.burns, self.burn_setpoints, strict=True)
+        )
+        return tracked_outputs(tick), loops
+
+    def propose(self, tick: LawTick) -> Proposal:
+        """One PI step from the budget applied last tick (external-reset anti-windup)."""
+        outs, loops = self.law_outputs(tick)
+        result = pi_step(
+            loops,
+            self.pi_state,
+            outs,
+            tick.u_applied_tokens_per_s,
+            tick.dt_s,
+            0.0,
+            self.u_max_tokens_per_s,
+            du_ff=tick.du_ff_tokens_per_s,
+            gain_scales=tuple(1.0 / r for r in tick.gain_ratios),
+            decrease_boost=self.config.decrease_boost,
+        )
+        self.pi_state = result.state
+        return Proposal(result.u, tick)
+
+    def applied(self, tick: LawTick, u_tokens_per_s: float) -> None:
+        """Nothing to do: the next step starts from the applied budget it is given."""
+
+    def state(self) -> dict[str, float]:
+        """Each loop's last error (room under its setpoint)."""
+        return {f"pi_error_{name}": e for name, e in zip(OUTPUTS, self.pi_state.errors,
+                                                         strict=True)}

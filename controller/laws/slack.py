@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from controller.laws.base import LawSettings, LawTick, Proposal, tracked_outputs
 from models.errors import ConfigError
 
 
@@ -65,3 +66,25 @@ def slack_step(
     else:
         u = u_applied + config.grow_step_tokens_per_s
     return min(max(u, u_min), u_max)
+
+
+class SlackLaw:
+    """The slack-threshold law as a `Law`, on each output's SLO burn when measured, else
+    its p95/SLO."""
+
+    def __init__(self, settings: LawSettings) -> None:
+        self.config = settings.table("slack", SlackConfig)
+        self.u_max_tokens_per_s = settings.u_max_tokens_per_s
+
+    def propose(self, tick: LawTick) -> Proposal:
+        """Shrink, hold or grow the budget applied last tick by the slack."""
+        u = slack_step(tracked_outputs(tick), tick.u_applied_tokens_per_s, self.config, 0.0,
+                       self.u_max_tokens_per_s)
+        return Proposal(u, tick)
+
+    def applied(self, tick: LawTick, u_tokens_per_s: float) -> None:
+        """Nothing to do: the next step starts from the applied budget it is given."""
+
+    def state(self) -> dict[str, float]:
+        """No internal state."""
+        return {}

@@ -7,7 +7,9 @@ from dataclasses import replace
 
 import pytest
 
-from controller.policy import ControllerConfig, build_policy
+from controller.laws.base import LawTick
+from controller.laws.pi import PiLaw
+from controller.policy import ControllerConfig, ControllerPolicy, build_policy
 from models.signals import Observation
 
 
@@ -28,6 +30,20 @@ def observation(now_s: float, **over: float) -> Observation:
     return Observation(now_s=now_s, **base)
 
 
+def law_tick(policy: ControllerPolicy, obs: Observation) -> LawTick:
+    """The first tick's input to the policy's wrapped law."""
+    return LawTick(obs, (obs.ttft_norm(policy.slo), obs.itl_norm(policy.slo)), 0.0,
+                   policy.tick_s)
+
+
+def proposal_law(policy: ControllerPolicy) -> PiLaw:
+    """The PI law inside the policy's wrappers."""
+    law = policy.law
+    while not isinstance(law, PiLaw):
+        law = law.inner  # type: ignore[attr-defined]
+    return law
+
+
 @pytest.mark.parametrize(
     ("over", "on_burn", "expected_itl", "expected_setpoint"),
     [
@@ -40,9 +56,9 @@ def observation(now_s: float, **over: float) -> Observation:
 def test_law_tracks_the_burn_when_measured(over, on_burn, expected_itl, expected_setpoint):
     """The ITL loop sees share-above-SLO / 0.05 against its burn setpoint, else p95/SLO."""
     policy = build_policy(replace(ControllerConfig(), control_on_burn=on_burn), "p", None)
-    policy.step(observation(0.0, **over), 0.0)
-    ys = (0.3, 4.0)
-    outs, loops = policy.law_outputs(ys)
+    proposal = policy.law.propose(law_tick(policy, observation(0.0, **over)))
+    pi = proposal_law(policy)
+    outs, loops = pi.law_outputs(replace(proposal.tick, ys=(0.3, 4.0)))
     assert outs[1] == pytest.approx(expected_itl)
     assert loops[1].setpoint == pytest.approx(expected_setpoint)
 
@@ -54,6 +70,6 @@ def test_burn_is_smoothed_and_held_through_an_unmeasured_window():
     policy.step(observation(0.0, itl_over_slo_frac=0.0, ttft_over_slo_frac=0.0), 0.0)
     policy.step(observation(1.0, itl_over_slo_frac=0.05, ttft_over_slo_frac=0.0), 1.0)
     expected = 1.0 - math.exp(-0.1)
-    assert policy.burns[1] == pytest.approx(expected)
+    assert policy.law.burns[1] == pytest.approx(expected)
     policy.step(observation(2.0, ttft_over_slo_frac=0.0), 2.0)
-    assert policy.burns[1] == pytest.approx(expected)
+    assert policy.law.burns[1] == pytest.approx(expected)

@@ -1,0 +1,32 @@
+"""Every control law by name. A new law is one module in `controller/laws/` with a class
+that implements `controller.laws.base.Law` and takes `LawSettings`, plus one line here."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+
+from controller.laws.base import Law, LawFactory, LawSettings
+from controller.laws.mpc import MpcLaw
+from controller.laws.pi import PiLaw
+from controller.laws.slack import SlackLaw
+from models.errors import ConfigError
+
+LAWS: Mapping[str, LawFactory] = MappingProxyType({
+    "pi": PiLaw,
+    "mpc": MpcLaw,
+    "slack": SlackLaw,
+})
+
+
+def law_names() -> tuple[str, ...]:
+    """The registered laws' names, in registration order."""
+    return tuple(LAWS)
+
+
+def build_law(name: str, settings: LawSettings) -> Law:
+    """A new instance of law `name`; `ConfigError` when no such law is registered."""
+    factory = LAWS.get(name)
+    if factory is None:
+        raise ConfigError(f"controller.law must be one of {law_names()}, got {name!r}")
+    return factory(settings)
