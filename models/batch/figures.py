@@ -1,0 +1,79 @@
+"""The figures that judge borrowing from the batch owner's side: rate, lateness, cost.
+
+- Carried rate: items completed per second over a recent window of (time, completed)
+  samples.
+- Projected lateness = now + remaining_items / carried_rate - deadline (> 0: late).
+- GPU time batch occupied = prompt_tokens / prefill_tokens_per_gpu_s
+  + generated_tokens / decode_tokens_per_gpu_s, counting every token the engines processed
+  for batch (resumed prefills and redone output included, so waste costs money);
+  cost per completed item = price_per_gpu_hour * gpu_hours / completed items.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+def carried_rate_per_s(samples: Sequence[tuple[float, int]], now_s: float,
+                       window_s: float) -> float | None:
+    """Completions per second over the last `window_s` of (time_s, cumulative) samples;
+    None while the samples span less than a second."""
+    recent = [s for s in samples if s[0] >= now_s - window_s]
+    if len(recent) < 2:
+        return None
+    span_s = recent[-1][0] - recent[0][0]
+    if span_s < 1.0:
+        return None
+    return max(0.0, (recent[-1][1] - recent[0][1]) / span_s)
+
+
+@dataclass(frozen=True)
+class Lateness:
+    """Projection of when a job finishes against its deadline (epoch seconds)."""
+
+    projected_finish_s: float | None
+    lateness_s: float | None
+    at_risk: bool
+
+
+def project_lateness(now_s: float, deadline_s: float, remaining_items: int,
+                     rate_per_s: float | None) -> Lateness:
+    """Projected finish and lateness at the carried rate; at risk when it lands after the
+    deadline (or nothing is carried while work remains)."""
+    if remaining_items <= 0:
+        return Lateness(now_s, min(0.0, now_s - deadline_s), False)
+    if rate_per_s is None:
+        return Lateness(None, None, now_s > deadline_s)
+    if rate_per_s <= 0:
+        return Lateness(None, math.inf, True)
+    finish_s = now_s + remaining_items / rate_per_s
+    return Lateness(finish_s, finish_s - deadline_s, finish_s > deadline_s)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Price of a GPU-hour and the token rates one GPU sustains for batch work."""
+
+    price_per_gpu_hour: float
+    prefill_tokens_per_gpu_s: float
+    decode_tokens_per_gpu_s: float
+
+    def gpu_s(self, prompt_tokens: int, generated_tokens: int) -> float:
+        """GPU seconds occupied by that many prompt (prefilled) and generated tokens."""
+        return (prompt_tokens / self.prefill_tokens_per_gpu_s
+                + generated_tokens / self.decode_tokens_per_gpu_s)
+
+    def cost_per_item(self, prompt_tokens: int, generated_tokens: int,
+                      completed_items: int) -> float | None:
+        """Money per completed item (None before the first completes)."""
+        if completed_items <= 0:
+            return None
+        return self.price_per_gpu_hour * self.gpu_s(prompt_tokens, generated_tokens) / 3600.0 \
+            / completed_items
+
+
+def per_hour(count: int, elapsed_s: float) -> float:
+    """A count as a rate per hour over `elapsed_s` (0 when no time has passed)."""
+    return count * 3600.0 / elapsed_s if elapsed_s > 0 else 0.0
