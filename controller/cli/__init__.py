@@ -28,6 +28,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "controller.cli.loadgen",
     "controller.cli.serve",
     "controller.cli.control",
+    "controller.cli.batch",
 )
 
 
