@@ -250,4 +250,4 @@ def make_app(config: GateServiceConfig,
 
 def run(config: GateServiceConfig, host: str, port: int) -> None:
     """Serve until SIGINT/SIGTERM."""
-    web.run_app(make_app(config), host=host, port=port, print=None)
+    web.run_app(make_app(config), host=host, port=port, print=None, access_log=None)

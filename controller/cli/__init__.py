@@ -16,6 +16,7 @@ from typing import NoReturn
 import structlog
 
 from adapters.redact import redact, redact_event, redact_log_records
+from controller.cli.logs import configure_logging
 from models.errors import BorrowdError
 
 # Each module defines `register(subparsers: argparse._SubParsersAction) -> None`, adding one
@@ -62,6 +63,7 @@ def redact_logs() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `borrowd` console script."""
+    configure_logging()
     redact_logs()
     parser = build_parser()
     args = parser.parse_args(argv)

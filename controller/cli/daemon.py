@@ -8,6 +8,7 @@ import signal
 import threading
 
 from controller import daemon
+from controller.cli.logs import configure_logging
 from controller.config import example_config, load_config
 from controller.sdnotify import Notifier
 
@@ -35,7 +36,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     config = load_config(args.config)
-    daemon.configure_logging(config.daemon.log_level)
+    configure_logging(config.daemon.log_level)
     daemon.build_policies(config)  # plant files and law settings fail here, before Redis
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -84,7 +84,6 @@ def run_proxy(args: argparse.Namespace) -> int:
     from adapters.redis_conn import connect_async, redact_url, resolve_redis_url
 
     config = load_config(args.config)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     url = resolve_redis_url(config.redis_url)
 
     async def main() -> None:
@@ -118,7 +117,6 @@ def run_emulate(args: argparse.Namespace) -> int:
         kv_capacity_tokens=args.kv_capacity_tokens, policy=args.policy,
         max_model_len=args.max_model_len, default_max_tokens=args.default_max_tokens,
     )
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     server = EmulatorServer(config)
 
     async def main() -> None:
