@@ -233,9 +233,10 @@ class BatchService:
         """Per-job figures: rates, tokens, revocations, lateness, GPU cost per item."""
         counters = {name: int(job.get(name, 0)) for name in COUNTERS}
         completed = int(job.get("completed", 0))
-        start_s = float(job.get("in_progress_at") or job.get("created_at") or 0)
-        end_s = next((float(job[n]) for n in ("completed_at", "expired_at", "cancelled_at",
-                                              "failed_at") if job.get(n)), self.clock())
+        start_s = float(job.get("in_progress_at_s") or job.get("created_at") or 0)
+        end_s = next((float(job[n]) for n in ("completed_at_s", "expired_at_s",
+                                              "cancelled_at_s", "failed_at_s") if job.get(n)),
+                     self.clock())
         elapsed_s = max(0.0, end_s - start_s)
         gpu_s = self.cost.gpu_s(counters["prompt_tokens"], counters["generated_tokens"])
         return {

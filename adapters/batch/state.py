@@ -45,9 +45,9 @@ return new
 """
 _MOVE = """
 local current = redis.call('HGET', KEYS[1], 'status')
-for i = 4, #ARGV do
+for i = 5, #ARGV do
   if current == ARGV[i] then
-    redis.call('HSET', KEYS[1], 'status', ARGV[1], ARGV[2], ARGV[3])
+    redis.call('HSET', KEYS[1], 'status', ARGV[1], ARGV[2], ARGV[3], ARGV[2] .. '_s', ARGV[4])
     return 1
   end
 end
@@ -143,11 +143,15 @@ class BatchStore:
 
     async def move(self, job_id: str, new: Status, now_s: float,
                    extra: Mapping[str, Any] | None = None) -> bool:
-        """Move a job to `new` if its lifecycle allows from where it is; True if moved."""
+        """Move a job to `new` if its lifecycle allows from where it is; True if moved.
+
+        The time is kept twice: OpenAI's integer field (`in_progress_at`) and a precise one
+        (`in_progress_at_s`) for the figures."""
         allowed = [s.value for s, nxt in TRANSITIONS.items() if new in nxt]
         time_field = STATUS_TIME_FIELD[new]
         moved = bool(await self._move(keys=[job_key(job_id)],
-                                      args=[new.value, time_field, int(now_s), *allowed]))
+                                      args=[new.value, time_field, int(now_s), repr(now_s),
+                                            *allowed]))
         if moved and extra:
             await self.update_job(job_id, extra)
         return moved
