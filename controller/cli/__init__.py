@@ -24,6 +24,7 @@ from models.errors import BorrowdError
 COMMAND_MODULES: tuple[str, ...] = (
     "controller.cli.sim",
     "controller.cli.scenario",
+    "controller.cli.profile",
     "controller.cli.ops",
     "controller.cli.daemon",
     "controller.cli.loadgen",

@@ -62,6 +62,7 @@ or abort a request earlier. The result equals running those steps one by one.
 from __future__ import annotations
 
 import heapq
+from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -219,7 +220,9 @@ class Engine:
         self._waiting_count = {INTERACTIVE: 0, BATCH: 0}
         self._running_count = {INTERACTIVE: 0, BATCH: 0}
         self.num_preemptions = 0
-        self._segments = profile.linear_coefficients()
+        segments = profile.linear_coefficients()
+        self._segment_uppers = [upper for upper, _, _ in segments]
+        self._segment_lines = [(intercept, slope) for _, intercept, slope in segments]
         self._last_output: SchedulerOutput | None = None
         self._batch_limited = False
         self._batch_budget: Budget | None = None
@@ -500,10 +503,8 @@ class Engine:
         tokens = out.total_num_scheduled_tokens
         if tokens <= 0:
             return 0.0
-        for upper, intercept, slope in self._segments:
-            if tokens <= upper:
-                linear = intercept + slope * tokens
-                break
+        intercept, slope = self._segment_lines[bisect_left(self._segment_uppers, tokens)]
+        linear = intercept + slope * tokens
         prof = self.profile
         return (
             linear
@@ -626,10 +627,8 @@ class Engine:
                 max_k = limit - c
         if max_k < 2:
             return None
-        for upper, intercept, slope in self._segments:
-            if n_run <= upper:
-                linear = intercept + slope * n_run
-                break
+        intercept, slope = self._segment_lines[bisect_left(self._segment_uppers, n_run)]
+        linear = intercept + slope * n_run
         d = self.profile.decode_s_per_kv_token
         first = linear + d * kv
         growth = d * n_run

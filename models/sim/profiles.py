@@ -1,30 +1,29 @@
 """Step-time profiles: how long one engine step of a given shape takes on a given GPU.
 
-    step_s = linear(scheduled_tokens)                     (GEMMs of the linear layers)
+    step_s = linear(scheduled_tokens)                     (every non-attention operator)
            + decode_s_per_kv_token * decode_kv_tokens     (decode attention, memory bound)
            + prefill_s_per_pair * prefill_attention_pairs (prefill attention, compute bound)
 
-`linear` is piecewise linear through measured forward-pass times of the linear layers and
-extends past the last point with the last segment's slope. `decode_kv_tokens` is the sum,
-over decoding sequences, of the KV tokens each attends to; a prefill chunk of `c` tokens
-after `p` computed ones attends to `c * p + c * (c + 1) / 2` (query, key) pairs.
+`linear` is piecewise linear through fitted points and extends past the last point with
+the last segment's slope. `decode_kv_tokens` is the sum, over decoding sequences, of the KV
+tokens each attends to; a prefill chunk of `c` tokens after `p` computed ones attends to
+`c * p + c * (c + 1) / 2` (query, key) pairs.
+
+A profile is data: a TOML file (`models/sim/data/profiles/NAME.toml` for the built-in ones,
+fitted from Vidur's measured operator times by `models.sim.profile_builtins`; any other file
+by path, e.g. written by `borrowd profile fit`). The linear points are fitted from
+measurements; the two attention constants come from FLOPs and memory bandwidth, because
+the measurements hold no attention times.
 """
 
 from __future__ import annotations
 
+import tomllib
 from dataclasses import dataclass
 from itertools import pairwise
+from pathlib import Path
 
 from models.errors import InputError
-
-# Llama-3-8B in bf16: 32 layers x 8 KV heads x 128 head dim x 2 (K and V) x 2 bytes
-# = 131072 bytes = 128 KiB of KV cache per token (model card shape, config.json of
-# meta-llama/Meta-Llama-3-8B).
-KV_BYTES_PER_TOKEN = 128 * 1024
-
-# Attention FLOPs per (query, key) pair over the whole model: QK^T and PV, 2 FLOPs each per
-# element of the 32 heads x 128 dims, in 32 layers: 2 * 2 * 4096 * 32.
-ATTENTION_FLOPS_PER_PAIR = 4 * 4096 * 32
 
 
 @dataclass(frozen=True)
@@ -71,50 +70,80 @@ class StepProfile:
         return tuple(out)
 
 
-# H100 SXM 80 GB, Llama-3-8B bf16.
-# - Linear layers: public per-forward-pass figures for a 7-8B model on H100 (issue #2):
-#   5.6 ms at 1 token, 12 ms at 512, 40 ms at 2048, 84 ms at 4096.
-# - Decode attention: the A100 figure of 2.5 ns per KV token per layer (32 layers, below)
-#   scaled by HBM bandwidth, A100 80GB SXM 2.039 TB/s vs H100 SXM 3.35 TB/s (NVIDIA data
-#   sheets): 2.5e-9 * 32 * 2.039 / 3.35 = 48.7 ns per KV token.
-# - Prefill attention: ATTENTION_FLOPS_PER_PAIR at 50% of H100 SXM dense bf16 989 TFLOP/s
-#   (FlashAttention-2/3 forward efficiency is 40-75% on H100): 1.06 ns per pair.
-# - KV capacity: (80 GB x 0.92 gpu_memory_utilization - 16 GB weights - activations and
-#   CUDA graphs) / 128 KiB per token, about 400k tokens (issue #2).
-H100_LLAMA3_8B = StepProfile(
-    name="h100-llama3-8b",
-    linear_points=((1, 5.6e-3), (512, 12.0e-3), (2048, 40.0e-3), (4096, 84.0e-3)),
-    decode_s_per_kv_token=2.5e-9 * 32 * 2.039 / 3.35,
-    prefill_s_per_pair=ATTENTION_FLOPS_PER_PAIR / (0.5 * 989e12),
-    kv_capacity_tokens=400_000,
-    source="issue #2 public figures; NVIDIA H100/A100 data sheets; Llama-3-8B config",
-)
-
-# A100 SXM 80 GB, Llama-3-8B bf16.
-# - Linear layers: public figures for Llama-3-8B on A100 (issue #2): 9.7 ms at 1 token,
-#   34.6 ms at 512, 146 ms at 2048, 274 ms at 4096.
-# - Decode attention: 2.5 ns per KV token per layer x 32 layers = 80 ns per KV token
-#   (issue #2).
-# - Prefill attention: ATTENTION_FLOPS_PER_PAIR at 50% of A100 dense bf16 312 TFLOP/s:
-#   3.36 ns per pair.
-# - KV capacity: same 80 GB of memory and the same model as the H100 profile: 400k tokens.
-A100_LLAMA3_8B = StepProfile(
-    name="a100-llama3-8b",
-    linear_points=((1, 9.7e-3), (512, 34.6e-3), (2048, 146.0e-3), (4096, 274.0e-3)),
-    decode_s_per_kv_token=2.5e-9 * 32,
-    prefill_s_per_pair=ATTENTION_FLOPS_PER_PAIR / (0.5 * 312e12),
-    kv_capacity_tokens=400_000,
-    source="issue #2 public figures; NVIDIA A100 data sheet; Llama-3-8B config",
-)
-
-PROFILES: dict[str, StepProfile] = {p.name: p for p in (H100_LLAMA3_8B, A100_LLAMA3_8B)}
-DEFAULT_PROFILE = H100_LLAMA3_8B.name
+PROFILES_DIR = Path(__file__).resolve().parent / "data" / "profiles"
+PROFILE_KEYS = ("name", "source", "decode_s_per_kv_token", "prefill_s_per_pair",
+                "kv_capacity_tokens", "linear_points", "fit")
 
 
-def get_profile(name: str) -> StepProfile:
-    """The profile called `name`; `InputError` naming the known ones otherwise."""
+def load_profile(path: str | Path) -> StepProfile:
+    """The profile in TOML file `path`; `InputError` naming the key and bad value."""
+    path = Path(path)
     try:
-        return PROFILES[name]
-    except KeyError:
-        known = ", ".join(sorted(PROFILES))
-        raise InputError(f"unknown profile {name!r} (known: {known})") from None
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise InputError(f"profile file {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"profile file {path} cannot be read: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise InputError(f"profile file {path}: not valid TOML: {exc}") from None
+    where = f"profile file {path}"
+    unknown = sorted(set(data) - set(PROFILE_KEYS))
+    if unknown:
+        raise InputError(f"{where}: unknown key {unknown[0]!r}")
+    for key in PROFILE_KEYS[:-1]:
+        if key not in data:
+            raise InputError(f"{where}: missing key {key!r}")
+    for key in ("decode_s_per_kv_token", "prefill_s_per_pair"):
+        value = data[key]
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+            raise InputError(f"{where}: {key} must be a number >= 0, got {value!r}")
+    capacity = data["kv_capacity_tokens"]
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
+        raise InputError(f"{where}: kv_capacity_tokens must be an integer > 0, got {capacity!r}")
+    points = data["linear_points"]
+    if not isinstance(points, list) or len(points) < 2:
+        raise InputError(f"{where}: linear_points must list at least two [tokens, seconds] "
+                         f"pairs, got {points!r}")
+    pairs: list[tuple[int, float]] = []
+    for point in points:
+        if (not isinstance(point, list) or len(point) != 2 or not isinstance(point[0], int)
+                or not isinstance(point[1], int | float) or point[1] < 0):
+            raise InputError(f"{where}: linear_points entry must be [tokens, seconds >= 0], "
+                             f"got {point!r}")
+        if pairs and point[0] <= pairs[-1][0]:
+            raise InputError(f"{where}: linear_points tokens must ascend, got {point[0]} "
+                             f"after {pairs[-1][0]}")
+        pairs.append((point[0], float(point[1])))
+    return StepProfile(
+        name=str(data["name"]),
+        linear_points=tuple(pairs),
+        decode_s_per_kv_token=float(data["decode_s_per_kv_token"]),
+        prefill_s_per_pair=float(data["prefill_s_per_pair"]),
+        kv_capacity_tokens=capacity,
+        source=str(data["source"]),
+    )
+
+
+def _builtin() -> dict[str, StepProfile]:
+    return {p.stem: load_profile(p) for p in sorted(PROFILES_DIR.glob("*.toml"))}
+
+
+PROFILES: dict[str, StepProfile] = _builtin()
+H100_LLAMA3_8B = PROFILES["h100-llama3-8b"]
+A100_LLAMA3_8B = PROFILES["a100-llama3-8b"]
+DEFAULT_PROFILE = H100_LLAMA3_8B.name
+_files: dict[str, StepProfile] = {}
+
+
+def get_profile(name_or_path: str) -> StepProfile:
+    """A built-in profile by name, or a profile TOML file by path; `InputError` naming the
+    known ones otherwise."""
+    if name_or_path in PROFILES:
+        return PROFILES[name_or_path]
+    path = Path(name_or_path)
+    if name_or_path.endswith(".toml") or path.exists() or len(path.parts) > 1:
+        if name_or_path not in _files:
+            _files[name_or_path] = load_profile(path)
+        return _files[name_or_path]
+    known = ", ".join(sorted(PROFILES))
+    raise InputError(f"unknown profile {name_or_path!r} (known: {known}; or a profile .toml file)")
