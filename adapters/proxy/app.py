@@ -6,11 +6,21 @@ and get `max_tokens` clamped to the budget's output cap; the body is forwarded w
 vLLM's `priority` injected to the upstream with the fewest outstanding requests, over
 keep-alive connections. Streams are relayed event by event from the upstream connection's
 data callback straight to the client's (`http1`, `upstream_http`: no task switch per
-chunk); a revoked batch stream ends with a `preempted` chunk carrying its text and usage so
-far. Batch requests are always streamed from the upstream (a non-streaming batch client
-gets the response assembled by the proxy), so they too can be revoked resumably.
-Interactive non-streaming requests are passed through unchanged (no TTFT is observable for
-them).
+chunk). Batch requests are always streamed from the upstream (a non-streaming batch client
+gets the response assembled by the proxy, tool calls, reasoning and logprobs included), so
+they too can be revoked; a batch stream's per-chunk usage (asked for to count its tokens)
+reaches the client only if it asked for it. Interactive non-streaming requests are passed
+through unchanged (no TTFT is observable for them).
+
+A revoked batch request (budget cut, lease lost, proxy shutting down) ends resumably, with
+finish_reason `preempted` and its text so far, when the tenant (`resumable = true`) or the
+request (`X-Borrowd-Resumable: 1`) opted in; otherwise a stream ends with an error event
+and a non-streaming request gets 503 + Retry-After with the partial text in the error body,
+since typed clients reject an unknown finish reason. An upstream failing mid-stream is an
+error, never `preempted`; vLLM's own in-stream error events count as errors. An upstream's
+4xx/5xx status is kept (with Retry-After), and a 503 before any byte of answer ("try
+another instance") is retried on the next upstream. Batch prompts are charged by the
+proxy's own count (`tokens`), trued up at release from the engine's reported usage.
 """
 
 from __future__ import annotations
@@ -29,7 +39,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from adapters.proxy.admission import BatchAdmitter, GateLike
 from adapters.proxy.config import ProxyConfig, RequestClass, Tenant
-from adapters.proxy.http1 import HttpRequest, HttpServer, Responder
+from adapters.proxy.http1 import HttpRequest, HttpServer, Responder, ServerLimits
 from adapters.proxy.metrics import ProxyMetrics
 from adapters.proxy.openai import (
     CompletionRequest,
@@ -40,7 +50,8 @@ from adapters.proxy.openai import (
     rewrite_body,
 )
 from adapters.proxy.revocation import BatchRegistry, BatchStream, renew_leases, watch_revocations
-from adapters.proxy.sse import StreamTally, event_payload, take_complete
+from adapters.proxy.sse import StreamTally, error_event, event_payload, strip_usage, take_complete
+from adapters.proxy.tokens import PromptCounter, load_tokenizer, trued_up_output_tokens, utf8_bytes
 from adapters.proxy.upstream_http import UpstreamClient, UpstreamError, UpstreamResponse
 from adapters.proxy.upstreams import Upstream, UpstreamPool
 
@@ -50,6 +61,11 @@ CLASS_HEADER = "X-Borrowd-Class"
 """Request header that lets a client demote its request to batch (never promote)."""
 MAX_WAIT_HEADER = "X-Borrowd-Max-Wait-S"
 """Request header: how long a batch request may wait in the admission queue, seconds."""
+RESUMABLE_HEADER = "X-Borrowd-Resumable"
+"""Request header: `1` opts a batch request in to the resumable `preempted` ending."""
+SHUTDOWN = "shutdown"
+"""Revocation reason of batch work the proxy ends because it is stopping."""
+REVOKED_RETRY_AFTER_S = 1
 
 INTERACTIVE = RequestClass.INTERACTIVE.value
 BATCH = RequestClass.BATCH.value
@@ -70,6 +86,8 @@ class Exchange:
     output_tokens: int = 0
     prompt_tokens: int = 0
     tally: StreamTally | None = None
+    resumable: bool = False
+    charged_prompt_tokens: int = 0
 
 
 class UpstreamFailure(Exception):
@@ -86,15 +104,17 @@ class _Relay:
 
     `on_body` runs in the upstream connection's data callback: it takes the complete
     events, tallies each payload (token? usage-only?), observes TTFT on the first token and
-    ITL between tokens, and writes the events on unchanged (less usage-only chunks the
-    client did not ask for) in one write.
+    ITL between tokens, and writes the events on unchanged in one write, less what the
+    client did not ask for: usage-only chunks (`strip_usage`) and the usage inside each
+    chunk (`strip_chunk_usage`, a batch stream's forced continuous usage).
     """
 
     __slots__ = ("_buffer", "_clock", "_ex", "_itl", "_last_token_s", "_metrics", "_out",
-                 "_strip_usage", "_tally", "_ttft", "done")
+                 "_strip_chunk_usage", "_strip_usage", "_tally", "_ttft", "done")
 
     def __init__(self, ex: Exchange, tally: StreamTally, out: Responder | None,
-                 metrics: ProxyMetrics, clock: Callable[[], float], strip_usage: bool) -> None:
+                 metrics: ProxyMetrics, clock: Callable[[], float], strip_usage: bool,
+                 strip_chunk_usage: bool = False) -> None:
         self._ex = ex
         self._tally = tally
         self._out = out
@@ -103,6 +123,7 @@ class _Relay:
         self._itl = metrics.itl[ex.request_class]
         self._clock = clock
         self._strip_usage = strip_usage
+        self._strip_chunk_usage = strip_chunk_usage
         self._buffer = bytearray()
         self._last_token_s = -1.0
         self.done: asyncio.Future[str] = asyncio.get_running_loop().create_future()
@@ -131,6 +152,13 @@ class _Relay:
                 if kept is None:
                     kept = [e for e in events[:index] if e]
                 continue
+            if self._strip_chunk_usage and not usage_only:
+                stripped = b"data: " + strip_usage(payload)
+                if stripped != event:
+                    if kept is None:
+                        kept = [e for e in events[:index] if e]
+                    kept.append(stripped)
+                    continue
             if kept is not None:
                 kept.append(event)
         if self._out is not None:
@@ -143,6 +171,15 @@ class _Relay:
         """The upstream response ended ("" when complete, else why not)."""
         if not self.done.done():
             self.done.set_result(failure)
+
+
+class UpstreamStatus(Exception):
+    """Every upstream answered with an error status before any output: relay the last."""
+
+    def __init__(self, upstream: Upstream, resp: UpstreamResponse) -> None:
+        super().__init__(f"upstream answered {resp.status}")
+        self.upstream = upstream
+        self.resp = resp
 
 
 class ProxyServer:
@@ -158,7 +195,12 @@ class ProxyServer:
         self.upstreams = UpstreamPool(config.upstreams)
         self.admitter = BatchAdmitter(gate, config.admission, clock)
         self.batch = BatchRegistry()
+        count_text = (load_tokenizer(config.tokenizer_path) if config.tokenizer_path
+                      else utf8_bytes)
+        self.counter = PromptCounter(count_text, config.media_part_tokens)
         self.client: UpstreamClient | None = None
+        self.open_connections: Callable[[], int] = lambda: 0
+        self.stopping = False
         self._background: list[asyncio.Task] = []
         self._stopped = asyncio.Event()
         self._pending: set[asyncio.Task] = set()
@@ -168,13 +210,24 @@ class ProxyServer:
     async def start(self) -> None:
         """Open the upstream client and start revocation watching and lease renewal."""
         cfg = self.config
+        adm = cfg.admission
         self.client = UpstreamClient(cfg.upstream_connect_timeout_s, cfg.upstream_read_timeout_s)
         self._background = [
             asyncio.create_task(watch_revocations(self.gate, self.batch, self._revoked,
                                                   self._stopped)),
-            asyncio.create_task(renew_leases(self.gate, self.batch,
-                                             cfg.admission.lease_ms / 3000.0, self._stopped)),
+            asyncio.create_task(renew_leases(self.gate, self.batch, adm.lease_ms / 3000.0,
+                                             adm.lease_ms / 1000.0, adm.gate_timeout_s,
+                                             self._stopped, self.clock)),
         ]
+
+    def end_batch(self, reason: str = SHUTDOWN) -> int:
+        """End every batch request in flight through its revoked ending and admit no more;
+        how many were ended."""
+        self.stopping = True
+        count = self.batch.revoke_all(reason)
+        if count:
+            log.info("ending %d batch requests in flight (%s)", count, reason)
+        return count
 
     async def stop(self) -> None:
         """Stop background work, let pending releases finish, close upstream connections."""
@@ -253,12 +306,13 @@ class ProxyServer:
                                              self._upstream_headers("models"))
             body = await resp.read()
         except UpstreamError as exc:
-            _error(out, 502, f"upstream {upstream.base_url} unreachable: {exc}",
-                   "upstream_error")
+            log.warning("upstream %s unreachable for /v1/models: %s", upstream.base_url, exc)
+            _error(out, 502, "upstream unreachable", "upstream_error")
             return
         if resp.status >= 500:
-            _error(out, 502, f"upstream {upstream.base_url} answered {resp.status}",
-                   "upstream_error")
+            log.warning("upstream %s answered %d to /v1/models", upstream.base_url, resp.status)
+            _error(out, resp.status, f"upstream answered {resp.status}", "upstream_error",
+                   headers=_retry_after(resp))
             return
         out.respond(resp.status, body)
 
@@ -279,9 +333,11 @@ class ProxyServer:
         except FieldError as exc:
             _error(out, 400, str(exc), "invalid_request_error", field=exc.field)
             return
+        resumable = (tenant.resumable
+                     or request.headers.get(RESUMABLE_HEADER.lower(), "").strip() == "1")
         ex = Exchange(request_id=f"borrowd-{uuid.uuid4().hex}", request_class=request_class,
                       arrived_s=arrived_s, request=req, requested_max_tokens=req.max_tokens,
-                      prompt_tokens=req.prompt_tokens)
+                      prompt_tokens=req.prompt_tokens, resumable=resumable)
         if request_class == INTERACTIVE:
             await self._forward(out, ex, req.max_tokens, None)
         else:
@@ -289,19 +345,30 @@ class ProxyServer:
 
     async def _batch(self, request: HttpRequest, out: Responder, ex: Exchange) -> None:
         req = ex.request
-        if req.n != 1:
-            _error(out, 400, "n: batch requests take n = 1 (send one request per sequence)",
-                   "invalid_request_error", field="n")
+        cfg = self.config
+        if self.stopping:
+            self.metrics.finished(BATCH, "rejected", 0, 0)
+            _error(out, 503, "the proxy is shutting down", "service_unavailable",
+                   retry_after_s=cfg.admission.unavailable_retry_after_s, close=True)
+            return
+        batch_room = cfg.max_connections - cfg.interactive_reserved_connections
+        if self.open_connections() > batch_room:
+            self.metrics.finished(BATCH, "rejected", 0, 0)
+            _error(out, 503, f"batch requests may hold at most {batch_room} connections (the "
+                   "rest is kept for interactive work)", "service_unavailable",
+                   retry_after_s=cfg.admission.unavailable_retry_after_s, close=True)
             return
         try:
+            _one_sequence(req)
             max_wait_s = _max_wait_s(request.headers.get(MAX_WAIT_HEADER.lower()))
         except FieldError as exc:
             _error(out, 400, str(exc), "invalid_request_error", field=exc.field)
             return
-        requested = req.max_tokens or self.config.admission.default_batch_max_tokens
+        ex.prompt_tokens = ex.charged_prompt_tokens = self.counter.prompt_tokens(req)
+        requested = req.max_tokens or cfg.admission.default_batch_max_tokens
         try:
-            decision = await self.admitter.admit(ex.request_id, req.prompt_tokens, requested,
-                                                 max_wait_s)
+            decision = await self.admitter.admit(ex.request_id, ex.charged_prompt_tokens,
+                                                 requested, max_wait_s)
         except asyncio.CancelledError:
             self.metrics.finished(BATCH, "client_disconnect", 0, 0)
             raise
@@ -313,12 +380,14 @@ class ProxyServer:
                    kind, retry_after_s=decision.retry_after_s)
             return
         ex.requested_max_tokens = requested
-        stream = self.batch.add(ex.request_id)
+        stream = self.batch.add(ex.request_id, self.clock())
         try:
             await self._forward(out, ex, min(requested, decision.max_output_tokens), stream)
         finally:
             self.batch.remove(ex.request_id)
-            self._spawn(self._release(ex.request_id, ex.output_tokens))
+            reported = ex.tally.reported_prompt_tokens if ex.tally is not None else None
+            used = trued_up_output_tokens(ex.output_tokens, ex.charged_prompt_tokens, reported)
+            self._spawn(self._release(ex.request_id, used))
 
     async def _forward(self, out: Responder, ex: Exchange, max_tokens: int | None,
                        batch_stream: BatchStream | None) -> None:
@@ -342,13 +411,16 @@ class ProxyServer:
                 ex.outcome = exc.outcome
                 _error(out, exc.status, str(exc), "upstream_error")
                 return
+            except UpstreamStatus as exc:
+                try:
+                    await self._relay_error(out, exc.resp, exc.upstream)
+                finally:
+                    UpstreamPool.release(exc.upstream)
+                return
             # Everything below that drops this exchange's connection must not touch the
             # connection once it went back to the pool for another request.
             abort = resp.aborter()
             try:
-                if resp.status != 200:
-                    await self._relay_error(out, resp, upstream)
-                    return
                 if batch_stream is not None:
                     batch_stream.attach(abort)
                 if req.stream:
@@ -375,50 +447,67 @@ class ProxyServer:
 
     async def _open(self, endpoint: Endpoint, body: bytes, request_id: str
                     ) -> tuple[Upstream, UpstreamResponse]:
+        """Send the request to the least busy upstream; on a refused connection or a 503
+        ("try another instance", nothing generated yet) go on to the next one."""
         assert self.client is not None
         headers = self._upstream_headers(request_id)
         failures = []
-        for upstream in self.upstreams.candidates():
+        candidates = self.upstreams.candidates()
+        for index, upstream in enumerate(candidates):
             UpstreamPool.acquire(upstream)
             try:
                 resp = await self.client.request(upstream.base_url, "POST", endpoint.path,
                                                  headers, body)
-                return upstream, resp
             except UpstreamError as exc:
                 UpstreamPool.release(upstream)
+                log.warning("upstream %s failed for %s: %s (%s)", upstream.base_url,
+                            request_id, exc, exc.kind)
                 if exc.kind == "connect":
-                    failures.append(f"{upstream.base_url}: {exc}")
+                    failures.append(exc.kind)
                     continue
                 if exc.kind == "timeout":
-                    raise UpstreamFailure(504, "timeout",
-                                          f"upstream {upstream.base_url} timed out") from None
-                raise UpstreamFailure(502, "error",
-                                      f"upstream {upstream.base_url} failed: {exc}") from None
+                    raise UpstreamFailure(504, "timeout", "upstream timed out") from None
+                raise UpstreamFailure(502, "error", f"upstream failed ({exc.kind})") from None
             except BaseException:
                 UpstreamPool.release(upstream)
                 raise
-        raise UpstreamFailure(502, "error", "no upstream reachable: " + "; ".join(failures))
+            if resp.status == 200:
+                return upstream, resp
+            if resp.status == 503 and index + 1 < len(candidates):
+                log.warning("upstream %s answered 503 for %s; trying the next one",
+                            upstream.base_url, request_id)
+                with contextlib.suppress(UpstreamError):
+                    await resp.read()
+                UpstreamPool.release(upstream)
+                continue
+            raise UpstreamStatus(upstream, resp)
+        raise UpstreamFailure(502, "error", f"no upstream reachable ({len(failures)} tried)")
 
     async def _relay_error(self, out: Responder, resp: UpstreamResponse,
                            upstream: Upstream) -> None:
+        """Relay an upstream's error status and body (OpenAI-shaped; else a generic body),
+        with its Retry-After; where it came from goes to the log, not to the client."""
         try:
             body = await resp.read()
         except UpstreamError as exc:
-            body = str(exc).encode()
-        if resp.status < 500:
-            out.respond(resp.status, body,
-                        content_type=resp.headers.get("content-type", "application/json"))
-            return
-        snippet = body[:300].decode(errors="replace")
-        _error(out, 502, f"upstream {upstream.base_url} answered {resp.status}: {snippet}",
-               "upstream_error")
+            body = b""
+            log.warning("upstream %s broke off its %d answer: %s", upstream.base_url,
+                        resp.status, exc)
+        if resp.status >= 500:
+            log.warning("upstream %s answered %d: %s", upstream.base_url, resp.status,
+                        body[:300].decode(errors="replace"))
+        if not _is_error_object(body):
+            body = error_body(resp.status, f"upstream answered {resp.status}",
+                              kind="upstream_error")
+        out.respond(resp.status, body, headers=_retry_after(resp))
 
     async def _passthrough(self, out: Responder, resp: UpstreamResponse, ex: Exchange) -> None:
         try:
             body = await resp.read()
         except UpstreamError as exc:
             ex.outcome = "timeout" if exc.kind == "timeout" else "error"
-            _error(out, 502, f"upstream failed mid-response: {exc}", "upstream_error")
+            log.warning("upstream failed mid-response for %s: %s", ex.request_id, exc)
+            _error(out, 502, f"upstream failed mid-response ({exc.kind})", "upstream_error")
             return
         ex.outcome = "success"
         with contextlib.suppress(ValueError, TypeError, AttributeError):
@@ -429,40 +518,50 @@ class ProxyServer:
                                         CLASS_HEADER: ex.request_class})
 
     def _settle(self, ex: Exchange, tally: StreamTally, batch_stream: BatchStream | None,
-                max_tokens: int | None, failure: str) -> str:
-        """Outcome of a stream that ended; returns the reason to resume with ("" if none)."""
+                max_tokens: int | None, failure: str) -> Ending:
+        """Outcome of a stream that ended, and how it ended."""
         ex.output_tokens = tally.output_tokens
-        if tally.usage and isinstance(tally.usage.get("prompt_tokens"), int):
-            ex.prompt_tokens = int(tally.usage["prompt_tokens"])
+        if tally.reported_prompt_tokens is not None:
+            ex.prompt_tokens = tally.reported_prompt_tokens
+        if tally.error is not None:
+            ex.outcome = "error"
+            return Ending("upstream_error_event", "upstream error event")
         if tally.done:
             clamped = (max_tokens is not None and ex.requested_max_tokens is not None
                        and max_tokens < ex.requested_max_tokens)
             ex.outcome = "truncated" if clamped and tally.saw_length else "success"
-            return ""
+            return Ending("done", "")
         if batch_stream is not None and batch_stream.revoked:
             ex.outcome = "revoked"
-            return f"revoked: {batch_stream.revoked_reason or 'budget cut'}"
+            return Ending("revoked", batch_stream.revoked_reason or "budget cut")
         ex.outcome = "timeout" if failure == "timeout" else "error"
-        return f"upstream failed mid-stream: {failure or 'connection closed early'}"
+        log.warning("upstream failed mid-stream for %s: %s", ex.request_id,
+                    failure or "connection closed early")
+        return Ending("upstream_failed", "upstream failed mid-stream"
+                      + (" (timeout)" if failure == "timeout" else ""))
 
     async def _pipe(self, out: Responder, resp: UpstreamResponse, ex: Exchange,
                     batch_stream: BatchStream | None, max_tokens: int | None) -> None:
         req = ex.request
         out.start_stream(200, {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                "X-Request-Id": ex.request_id, CLASS_HEADER: ex.request_class})
-        tally = ex.tally = StreamTally(req.endpoint, keep_payloads=batch_stream is not None)
+        batch = batch_stream is not None
+        tally = ex.tally = StreamTally(req.endpoint, keep_payloads=batch)
         relay = _Relay(ex, tally, out, self.metrics, self.clock,
-                       strip_usage=not req.include_usage)
+                       strip_usage=not req.include_usage,
+                       strip_chunk_usage=batch and not _asked_continuous_usage(req))
         out.on_flow(resp.pauser(), resp.resumer())
         resp.stream(relay.on_body, relay.on_end)
         failure = await relay.done
-        resume_reason = self._settle(ex, tally, batch_stream, max_tokens, failure)
-        if resume_reason and batch_stream is not None:
+        ending = self._settle(ex, tally, batch_stream, max_tokens, failure)
+        if ending.kind == "revoked" and ex.resumable:
             out.write(tally.preempted_chunk(ex.request_id, req.model, ex.prompt_tokens,
-                                            resume_reason))
-        elif resume_reason:
-            out.write(b"data: " + error_body(502, resume_reason, kind="upstream_error")
-                      + b"\n\ndata: [DONE]\n\n")
+                                            ending.reason))
+        elif ending.kind == "revoked":
+            out.write(error_event(503, f"batch request revoked ({ending.reason}); retry later",
+                                  "service_unavailable"))
+        elif ending.kind == "upstream_failed":
+            out.write(error_event(502, ending.reason, "upstream_error"))
         out.end()
 
     async def _collect(self, out: Responder, resp: UpstreamResponse, ex: Exchange,
@@ -472,14 +571,61 @@ class ProxyServer:
         relay = _Relay(ex, tally, None, self.metrics, self.clock, strip_usage=False)
         resp.stream(relay.on_body, relay.on_end)
         failure = await relay.done
-        resume_reason = self._settle(ex, tally, batch_stream, max_tokens, failure)
-        if resume_reason and batch_stream is None:
-            _error(out, 502, resume_reason, "upstream_error")
-            return
-        body = tally.completion_body(ex.request_id, req.model, ex.prompt_tokens,
-                                     preempted_reason=resume_reason)
-        out.respond(200, body, headers={"X-Request-Id": ex.request_id,
-                                        CLASS_HEADER: ex.request_class})
+        ending = self._settle(ex, tally, batch_stream, max_tokens, failure)
+        headers = {"X-Request-Id": ex.request_id, CLASS_HEADER: ex.request_class}
+        if ending.kind == "upstream_error_event":
+            status, detail = tally.error_detail()
+            out.respond(status, json.dumps({"error": detail}).encode(), headers=headers)
+        elif ending.kind == "upstream_failed":
+            _error(out, 502, ending.reason, "upstream_error", headers=headers)
+        elif ending.kind == "revoked" and not ex.resumable:
+            body = json.loads(error_body(503, f"batch request revoked ({ending.reason}); "
+                                         "retry later", kind="service_unavailable"))
+            body["error"]["borrowd_partial"] = tally.partial(ex.prompt_tokens)
+            headers["Retry-After"] = str(REVOKED_RETRY_AFTER_S)
+            out.respond(503, json.dumps(body).encode(), headers=headers)
+        else:
+            reason = ending.reason if ending.kind == "revoked" else ""
+            out.respond(200, tally.completion_body(ex.request_id, req.model, ex.prompt_tokens,
+                                                   preempted_reason=reason), headers=headers)
+
+
+@dataclass(frozen=True, slots=True)
+class Ending:
+    """How a stream ended: done, revoked (with the revocation reason), upstream_failed,
+    or upstream_error_event (vLLM sent an error event)."""
+
+    kind: str
+    reason: str
+
+
+def _one_sequence(req: CompletionRequest) -> None:
+    """Batch requests run one sequence each (the gate's caps count sequences)."""
+    if req.n != 1:
+        raise FieldError("n", "batch requests take n = 1 (send one request per sequence)")
+    if req.best_of != 1:
+        raise FieldError("best_of", "batch requests take best_of = 1")
+    if req.prompts != 1:
+        raise FieldError("prompt", f"batch requests take one prompt, got {req.prompts} "
+                                   "(send one request per prompt)")
+
+
+def _asked_continuous_usage(req: CompletionRequest) -> bool:
+    options = req.body.get("stream_options")
+    return isinstance(options, dict) and options.get("continuous_usage_stats") is True
+
+
+def _is_error_object(body: bytes) -> bool:
+    with contextlib.suppress(ValueError, UnicodeDecodeError):
+        parsed = json.loads(body)
+        return isinstance(parsed, dict) and isinstance(parsed.get("error"), dict)
+    return False
+
+
+def _retry_after(resp: UpstreamResponse) -> dict[str, str]:
+    """The upstream's Retry-After header, to pass on."""
+    value = resp.headers.get("retry-after")
+    return {"Retry-After": value} if value else {}
 
 
 def _request_class(tenant: Tenant, header: str | None) -> str:
@@ -508,10 +654,12 @@ def _max_wait_s(header: str | None) -> float | None:
 
 def _error(out: Responder, status: int, message: str, kind: str, *,
            field: str | None = None, retry_after_s: float | None = None,
-           headers: dict[str, str] | None = None) -> None:
+           headers: dict[str, str] | None = None, close: bool = False) -> None:
     all_headers = dict(headers or {})
     if retry_after_s is not None:
         all_headers["Retry-After"] = str(max(1, math.ceil(retry_after_s)))
+    if close:
+        out.keep_alive = False
     out.respond(status, error_body(status, message, kind=kind, field=field),
                 headers=all_headers)
 
@@ -525,20 +673,30 @@ class ProxyRunner:
     shutdown_timeout_s: float
 
     async def cleanup(self) -> None:
-        """Stop accepting, give requests in flight the shutdown timeout, then stop."""
+        """Stop accepting; end batch work in flight at once through its revoked ending (no
+        generated text is lost), give interactive requests the shutdown timeout, then stop."""
+        self.http.stop_listening()
+        self.server.end_batch(SHUTDOWN)
         await self.http.cleanup(self.shutdown_timeout_s)
         await self.server.stop()
 
 
 async def serve(server: ProxyServer, host: str, port: int,
-                shutdown_timeout_s: float = 5.0) -> ProxyRunner:
+                shutdown_timeout_s: float | None = None) -> ProxyRunner:
     """Start `server` on host:port (a client that disconnects cancels its request, which
     aborts the upstream request); returns the runner to clean up."""
+    cfg = server.config
     await server.start()
-    http = HttpServer(server.handle, server.config.max_body_bytes)
+    limits = ServerLimits(max_header_bytes=cfg.max_header_bytes, max_headers=cfg.max_headers,
+                          header_timeout_s=cfg.header_timeout_s,
+                          body_timeout_s=cfg.body_timeout_s, idle_timeout_s=cfg.idle_timeout_s,
+                          max_connections=cfg.max_connections)
+    http = HttpServer(server.handle, cfg.max_body_bytes, limits)
     try:
         await http.start(host, port)
     except BaseException:
         await server.stop()
         raise
-    return ProxyRunner(http, server, shutdown_timeout_s)
+    server.open_connections = lambda: len(http.connections)
+    timeout_s = cfg.shutdown_timeout_s if shutdown_timeout_s is None else shutdown_timeout_s
+    return ProxyRunner(http, server, timeout_s)

@@ -45,10 +45,12 @@ class AdmissionMode(StrEnum):
 
 @dataclass(frozen=True)
 class Tenant:
-    """A tenant: its name (for logs) and the class its API keys map to."""
+    """A tenant: its name (for logs), the class its API keys map to, and whether its revoked
+    batch requests end with the resumable `preempted` finish reason (opt-in)."""
 
     name: str
     request_class: RequestClass
+    resumable: bool = False
 
 
 @dataclass(frozen=True)
@@ -135,6 +137,48 @@ class ProxyConfig:
         default=True,
         metadata=meta("bool", "inject `priority` (needs vLLM --scheduling-policy priority)"),
     )
+    tokenizer_path: str | None = field(
+        default=None,
+        metadata=meta("path", "the model's tokenizer.json to count batch prompts with (else "
+                      "UTF-8 bytes, an upper bound)"),
+    )
+    media_part_tokens: int = field(
+        default=2048,
+        metadata=meta("tokens", "prompt tokens charged per image, audio or video part", min=0),
+    )
+    max_header_bytes: int = field(
+        default=65_536,
+        metadata=meta("bytes", "largest request line + headers (more: 431)", min=1024),
+    )
+    max_headers: int = field(
+        default=100, metadata=meta("fields", "most header fields per request (more: 431)", min=8)
+    )
+    header_timeout_s: float = field(
+        default=10.0, metadata=meta("s", "longest a client may take to send its headers",
+                                    gt=0.0)
+    )
+    body_timeout_s: float = field(
+        default=60.0, metadata=meta("s", "longest a client may take to send its body", gt=0.0)
+    )
+    idle_timeout_s: float = field(
+        default=60.0, metadata=meta("s", "how long an idle keep-alive connection stays open",
+                                    gt=0.0)
+    )
+    max_connections: int = field(
+        default=1024,
+        metadata=meta("connections", "open client connections (idle ones are closed to make "
+                      "room; about 2 file descriptors each with the upstream's)", min=2),
+    )
+    interactive_reserved_connections: int = field(
+        default=64,
+        metadata=meta("connections", "connections batch requests may not use (503 for batch "
+                      "past max_connections minus these)", min=0),
+    )
+    shutdown_timeout_s: float = field(
+        default=5.0,
+        metadata=meta("s", "on SIGTERM, how long interactive requests may finish (batch ends "
+                      "at once, resumably)", gt=0.0),
+    )
     admission: AdmissionConfig = field(
         default_factory=AdmissionConfig, metadata=meta("table", "how batch passes the gate")
     )
@@ -153,6 +197,8 @@ def describe_fields() -> list[tuple[str, str]]:
              for f in dataclasses.fields(AdmissionConfig)]
     rows.append(("tenants.NAME.keys", "API keys of tenant NAME"))
     rows.append(("tenants.NAME.class", "interactive | batch"))
+    rows.append(("tenants.NAME.resumable", "end revoked batch requests with finish_reason "
+                 "preempted (default false: an error event, or 503 + Retry-After)"))
     return rows
 
 
@@ -189,7 +235,7 @@ def _tenants(table: Any) -> dict[str, Tenant]:
         prefix = f"tenants.{name}"
         if not isinstance(spec, dict):
             raise ConfigError(f"{prefix}: must be a table with keys and class")
-        reject_unknown(spec, {"keys", "class"}, prefix)
+        reject_unknown(spec, {"keys", "class", "resumable"}, prefix)
         klass = spec.get("class", "")
         try:
             request_class = RequestClass(klass)
@@ -202,7 +248,10 @@ def _tenants(table: Any) -> dict[str, Tenant]:
             isinstance(k, str) and k for k in keys
         ):
             raise ConfigError(f"{prefix}.keys: must be a non-empty list of non-empty strings")
-        tenant = Tenant(name=name, request_class=request_class)
+        resumable = spec.get("resumable", False)
+        if not isinstance(resumable, bool):
+            raise ConfigError(f"{prefix}.resumable: must be true or false, got {resumable!r}")
+        tenant = Tenant(name=name, request_class=request_class, resumable=resumable)
         for key in keys:
             if key in by_key:
                 raise ConfigError(
@@ -226,6 +275,11 @@ def _validate(config: ProxyConfig) -> None:
             f"proxy.batch_priority: {config.batch_priority} must be above "
             f"proxy.interactive_priority ({config.interactive_priority}): vLLM serves lower "
             "priorities first, so batch would run ahead of interactive"
+        )
+    if config.interactive_reserved_connections >= config.max_connections:
+        raise ConfigError(
+            f"proxy.interactive_reserved_connections: {config.interactive_reserved_connections}"
+            f" must be below proxy.max_connections ({config.max_connections})"
         )
     if not config.tenants_by_key:
         raise ConfigError("tenants: define at least one [tenants.NAME] with keys and class")

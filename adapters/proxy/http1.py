@@ -526,11 +526,15 @@ class HttpServer:
             for conn in list(self.connections):
                 conn.expire(now_s)
 
+    def stop_listening(self) -> None:
+        """Accept no new connections (those open keep being served)."""
+        if self._server is not None:
+            self._server.close()
+
     async def cleanup(self, shutdown_timeout_s: float = 5.0) -> None:
         """Stop listening, give running handlers `shutdown_timeout_s`, then close every
         connection (which cancels what still runs)."""
-        if self._server is not None:
-            self._server.close()
+        self.stop_listening()
         if self._sweeper is not None:
             self._sweeper.cancel()
         tasks = [c._task for c in self.connections if c._task is not None and not c._task.done()]

@@ -1,15 +1,18 @@
 """OpenAI-compatible request bodies: validation, token estimates, rewriting, error bodies.
 
 Shared by the proxy (which validates and rewrites before forwarding) and the emulator
-(which serves them). Prompt tokens are estimated without a tokenizer: whitespace-separated
-words, each counted as ceil(len / 4) tokens (about 4 characters per token for English BPE
-vocabularies), or taken verbatim from the extension field `borrowd_prompt_tokens` that load
-generators set to reproduce a trace's exact lengths.
+(which serves them). `prompt_tokens` is the emulator's prompt length: the extension field
+`borrowd_prompt_tokens` that load generators set to reproduce a trace's exact lengths, else
+whitespace words at ceil(len / 4) tokens each. The proxy charges batch work by its own count
+(`adapters.proxy.tokens`), taking the claimed field only as a lower bound.
+JSON's non-standard `NaN`/`Infinity` (and numbers that overflow to infinity) are refused
+with the field named, never forwarded.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -53,6 +56,17 @@ class CompletionRequest:
     max_tokens_key: str
     prompt_tokens: int
     include_usage: bool
+    claimed_prompt_tokens: int | None = None
+    """The client's `borrowd_prompt_tokens`, if sent (a lower bound for the proxy)."""
+    prompts: int = 1
+    """Prompts of a /v1/completions list prompt (each runs as its own sequences)."""
+    best_of: int = 1
+    """Sequences generated per prompt before the best n are returned (completions)."""
+
+    @property
+    def sequences(self) -> int:
+        """Sequences the engine runs for this request: prompts x max(n, best_of)."""
+        return self.prompts * max(self.n, self.best_of)
 
 
 def estimate_text_tokens(text: str) -> int:
@@ -60,19 +74,63 @@ def estimate_text_tokens(text: str) -> int:
     return sum((len(word) + 3) // 4 for word in text.split())
 
 
+class _NonFinite:
+    """Stands in for a NaN or infinite number while a body is parsed, to be named after."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
+def _load_json(raw: bytes) -> Any:
+    """`json.loads` that refuses NaN, Infinity and overflowing numbers, naming their field."""
+    found: list[_NonFinite] = []
+
+    def constant(text: str) -> _NonFinite:
+        found.append(_NonFinite(text))
+        return found[-1]
+
+    def number(text: str) -> float | _NonFinite:
+        value = float(text)
+        return value if math.isfinite(value) else constant(text)
+
+    try:
+        body = json.loads(raw, parse_constant=constant, parse_float=number)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise FieldError("body", f"is not valid JSON ({exc})") from None
+    if found:
+        path, text = _find_non_finite(body, "") or ("body", found[0].text)
+        raise FieldError(path or "body", f"{text} is not a JSON number (finite numbers only)")
+    return body
+
+
+def _find_non_finite(value: Any, path: str) -> tuple[str, str] | None:
+    if isinstance(value, _NonFinite):
+        return path, value.text
+    items: Any = ()
+    if isinstance(value, dict):
+        items = ((f"{path}.{key}" if path else str(key), item) for key, item in value.items())
+    elif isinstance(value, list):
+        items = ((f"{path}[{index}]", item) for index, item in enumerate(value))
+    for item_path, item in items:
+        hit = _find_non_finite(item, item_path)
+        if hit is not None:
+            return hit
+    return None
+
+
 def parse_completion_request(raw: bytes, endpoint: Endpoint) -> CompletionRequest:
     """Validate a request body; `FieldError` names the first bad field."""
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise FieldError("body", f"is not valid JSON ({exc})") from None
+    body = _load_json(raw)
     if not isinstance(body, dict):
         raise FieldError("body", "must be a JSON object")
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise FieldError("model", "is required and must be a non-empty string")
     stream = _optional(body, "stream", bool, False)
-    n = _optional_int(body, "n", 1, minimum=1)
+    n = _optional_int(body, "n", 1, minimum=1) or 1
+    best_of = 1
+    if endpoint is Endpoint.COMPLETIONS:
+        best_of = _optional_int(body, "best_of", 1, minimum=1) or 1
     max_tokens_key = "max_tokens"
     if endpoint is Endpoint.CHAT and body.get("max_completion_tokens") is not None:
         max_tokens_key = "max_completion_tokens"
@@ -89,10 +147,11 @@ def parse_completion_request(raw: bytes, endpoint: Endpoint) -> CompletionReques
     ):
         raise FieldError(PROMPT_TOKENS_FIELD, "must be an integer >= 0")
     count = explicit is None
+    prompts = 1
     if endpoint is Endpoint.CHAT:
         estimate = _chat_prompt_tokens(body.get("messages"), count)
     else:
-        estimate = _completion_prompt_tokens(body.get("prompt"), count)
+        estimate, prompts = _completion_prompt_tokens(body.get("prompt"), count)
     return CompletionRequest(
         endpoint=endpoint,
         body=body,
@@ -103,6 +162,9 @@ def parse_completion_request(raw: bytes, endpoint: Endpoint) -> CompletionReques
         max_tokens_key=max_tokens_key,
         prompt_tokens=explicit if explicit is not None else estimate,
         include_usage=include_usage,
+        claimed_prompt_tokens=explicit,
+        prompts=prompts,
+        best_of=best_of,
     )
 
 
@@ -114,8 +176,11 @@ def rewrite_body(
     stream: bool,
     continuous_usage: bool,
 ) -> bytes:
-    """The body to forward: priority injected, max_tokens set, usage reporting switched on."""
+    """The body to forward: priority injected, max_tokens set, usage reporting switched on,
+    `stream_interval` dropped (a client must not thin the stream the ITL signal is read
+    from)."""
     body = dict(request.body)
+    body.pop("stream_interval", None)
     if priority is None:
         body.pop("priority", None)
     else:
@@ -188,13 +253,26 @@ def _chat_prompt_tokens(messages: Any, count: bool) -> int:
     return total
 
 
-def _completion_prompt_tokens(prompt: Any, count: bool) -> int:
-    """Validate a completion prompt; its token estimate when `count` (else 0)."""
-    if isinstance(prompt, str):
-        return estimate_text_tokens(prompt) if count else 0
-    if isinstance(prompt, list) and prompt:
-        if all(isinstance(p, str) for p in prompt):
-            return sum(estimate_text_tokens(p) for p in prompt) if count else 0
-        if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
-            return len(prompt)
-    raise FieldError("prompt", "is required: a string, a list of strings or a list of token ids")
+def _is_token_ids(value: Any) -> bool:
+    return (isinstance(value, list) and bool(value)
+            and all(isinstance(p, int) and not isinstance(p, bool) for p in value))
+
+
+def completion_prompts(prompt: Any) -> list[str | list[int]]:
+    """The prompts of a /v1/completions `prompt`: a string, token ids, or a list of either."""
+    if isinstance(prompt, str) or _is_token_ids(prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(
+            isinstance(p, str) or _is_token_ids(p) for p in prompt):
+        return list(prompt)
+    raise FieldError("prompt", "is required: a string, token ids, or a non-empty list of "
+                               "strings or of token id lists")
+
+
+def _completion_prompt_tokens(prompt: Any, count: bool) -> tuple[int, int]:
+    """Validate a completion prompt; (its token estimate when `count` else 0, prompts)."""
+    prompts = completion_prompts(prompt)
+    if not count:
+        return 0, len(prompts)
+    return sum(estimate_text_tokens(p) if isinstance(p, str) else len(p)
+               for p in prompts), len(prompts)

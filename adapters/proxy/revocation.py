@@ -4,13 +4,17 @@
 reads the pool's revoke stream and, for each request it names that this proxy serves,
 closes the upstream response (vLLM aborts the request and frees its KV on disconnect); the
 request's handler then ends the client's stream with a resumable `preempted` chunk.
-`renew_leases` keeps the gate's admission leases of long streams alive.
+`renew_leases` keeps the gate's admission leases of long streams alive, and ends (reason
+`lease_lost`) a stream whose lease is gone or could not be renewed for longer than the
+lease: in-flight batch never outlives its lease, so a Redis that died or came back empty
+cannot leave this proxy running batch work the gate no longer counts.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 
 from adapters.proxy.admission import GATE_ERRORS, GateLike
@@ -21,10 +25,12 @@ log = logging.getLogger(__name__)
 class BatchStream:
     """One admitted batch request in flight; `revoke()` may come from another task."""
 
-    __slots__ = ("_close_upstream", "request_id", "revoked", "revoked_reason")
+    __slots__ = ("_close_upstream", "renewed_s", "request_id", "revoked", "revoked_reason")
 
-    def __init__(self, request_id: str) -> None:
+    def __init__(self, request_id: str, renewed_s: float) -> None:
         self.request_id = request_id
+        self.renewed_s = renewed_s
+        """When its lease was last known good (admission, then each renewal)."""
         self.revoked = False
         self.revoked_reason = ""
         self._close_upstream: Callable[[], None] | None = None
@@ -51,9 +57,9 @@ class BatchRegistry:
     def __init__(self) -> None:
         self.streams: dict[str, BatchStream] = {}
 
-    def add(self, request_id: str) -> BatchStream:
+    def add(self, request_id: str, admitted_s: float) -> BatchStream:
         """Track a newly admitted batch request."""
-        stream = BatchStream(request_id)
+        stream = BatchStream(request_id, admitted_s)
         self.streams[request_id] = stream
         return stream
 
@@ -68,6 +74,13 @@ class BatchRegistry:
             return False
         stream.revoke(reason)
         return True
+
+    def revoke_all(self, reason: str) -> int:
+        """Revoke every batch request in flight here; how many."""
+        streams = list(self.streams.values())
+        for stream in streams:
+            stream.revoke(reason)
+        return len(streams)
 
 
 async def watch_revocations(gate: GateLike, registry: BatchRegistry,
@@ -87,14 +100,39 @@ async def watch_revocations(gate: GateLike, registry: BatchRegistry,
                 on_revoked(entry.request_id)
 
 
+LEASE_LOST = "lease_lost"
+"""Revocation reason of a stream whose admission lease is gone or could not be renewed."""
+
+
 async def renew_leases(gate: GateLike, registry: BatchRegistry, interval_s: float,
-                       stopped: asyncio.Event) -> None:
-    """Renew the admission lease of every in-flight batch request every `interval_s`."""
+                       lease_s: float, call_timeout_s: float, stopped: asyncio.Event,
+                       clock: Callable[[], float] = time.monotonic) -> None:
+    """Renew the admission lease of every in-flight batch request every `interval_s`.
+
+    A renewal the gate refuses (the lease expired, or Redis restarted empty) revokes the
+    request at once; while renewals fail (Redis down or frozen), a request whose last good
+    renewal is older than `lease_s` is revoked: the gate has counted it gone by then.
+    """
     while not stopped.is_set():
         await asyncio.sleep(interval_s)
-        for request_id in list(registry.streams):
-            try:
-                await gate.renew(request_id)
-            except GATE_ERRORS as exc:
-                log.warning("lease renewal failed for %s: %r", request_id, exc)
-                break
+        failing = False
+        for request_id, stream in list(registry.streams.items()):
+            if stream.revoked:
+                continue
+            if not failing:
+                try:
+                    alive = await asyncio.wait_for(gate.renew(request_id), call_timeout_s)
+                except GATE_ERRORS as exc:
+                    log.warning("lease renewal failed for %s: %r", request_id, exc)
+                    failing = True  # do not wait out the timeout once per stream
+                else:
+                    if alive:
+                        stream.renewed_s = clock()
+                    else:
+                        log.warning("lease of %s is gone; ending it", request_id)
+                        stream.revoke(LEASE_LOST)
+                    continue
+            if clock() - stream.renewed_s > lease_s:
+                log.warning("lease of %s not renewed for %.1f s; ending it", request_id,
+                            clock() - stream.renewed_s)
+                stream.revoke(LEASE_LOST)

@@ -294,10 +294,15 @@ async def test_redis_down_fails_batch_closed_and_interactive_open(stack: Stack) 
 # -- revocation --------------------------------------------------------------------------
 
 
+RESUMABLE = {"X-Borrowd-Resumable": "1"}
+
+
 async def test_revoked_stream_ends_with_a_resumable_chunk(stack: Stack) -> None:
-    """A budget cut ends a batch stream with finish_reason preempted, its text and usage."""
+    """A budget cut ends an opted-in batch stream with finish_reason preempted, its text and
+    usage."""
     stack.publish()
-    async with await stack.post(BATCH_KEY, _chat(3000, stream=True)) as resp:
+    async with await stack.post(BATCH_KEY, _chat(3000, stream=True),
+                                headers=RESUMABLE) as resp:
         assert resp.status == 200
         request_id = resp.headers["X-Request-Id"]
         head = await _events(resp, limit=5)
@@ -320,10 +325,44 @@ async def test_revoked_stream_ends_with_a_resumable_chunk(stack: Stack) -> None:
     assert 'borrowd_proxy_requests_total{class="batch",outcome="revoked",pool="e2e"} 1.0' in text
 
 
-async def test_revoked_non_streaming_request_returns_partial_json(stack: Stack) -> None:
-    """A revoked non-streaming batch request gets a normal JSON body, finish_reason preempted."""
+async def test_revoked_stream_ends_with_an_error_event_by_default(stack: Stack) -> None:
+    """Without the opt-in, a revoked batch stream ends with an SSE error event (503), which
+    typed clients understand, not an unknown finish reason."""
+    stack.publish()
+    async with await stack.post(BATCH_KEY, _chat(3000, stream=True)) as resp:
+        await _events(resp, limit=5)
+        stack.close_budget()
+        rest = await _events(resp)
+    assert rest[-1] == {"done": True}
+    assert rest[-2]["error"]["code"] == 503
+    assert "revoked" in rest[-2]["error"]["message"]
+    assert all(c.get("finish_reason") != "preempted" for e in rest for c in e.get("choices", []))
+
+
+async def test_revoked_non_streaming_request_gets_503_with_its_partial_text(stack: Stack
+                                                                          ) -> None:
+    """Without the opt-in, a revoked non-streaming batch request gets 503 + Retry-After with
+    the text so far in the error body."""
     stack.publish()
     pending = asyncio.create_task(stack.post(BATCH_KEY, _chat(3000)))
+    await _until(lambda: any(t.first_token_s > 0 for t in
+                             stack.emulator.runtime.tracked.values()), 5.0, "a first token")
+    await asyncio.sleep(0.1)
+    stack.close_budget()
+    async with await pending as resp:
+        assert resp.status == 503
+        assert resp.headers["Retry-After"] == "1"
+        error = (await resp.json())["error"]
+    partial = error["borrowd_partial"]
+    assert 0 < partial["usage"]["completion_tokens"] < 3000
+    assert len(partial["texts"][0].split()) == partial["usage"]["completion_tokens"]
+
+
+async def test_revoked_non_streaming_request_returns_partial_json(stack: Stack) -> None:
+    """A revoked opted-in non-streaming batch request gets a JSON body, finish_reason
+    preempted."""
+    stack.publish()
+    pending = asyncio.create_task(stack.post(BATCH_KEY, _chat(3000), headers=RESUMABLE))
     await _until(lambda: any(t.first_token_s > 0 for t in
                              stack.emulator.runtime.tracked.values()), 5.0, "a first token")
     await asyncio.sleep(0.1)
@@ -364,7 +403,8 @@ async def test_leases_of_long_streams_are_renewed(redis_proc: ServerProcess) -> 
 
 
 async def test_upstream_failure_mid_stream_is_reported(redis_proc: ServerProcess) -> None:
-    """An upstream that dies mid-stream: batch gets a resumable end, interactive an error."""
+    """An upstream that dies mid-stream is an error event for batch (even opted in to
+    resumable endings: it was not preempted) and interactive alike."""
 
     async def dying(request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -389,16 +429,16 @@ async def test_upstream_failure_mid_stream_is_reported(redis_proc: ServerProcess
         async with _start(redis_proc, _config(f"http://127.0.0.1:{port}"), emulator,
                           free_port()) as stack:
             stack.publish()
-            async with await stack.post(BATCH_KEY, _chat(50, stream=True)) as resp:
+            async with await stack.post(BATCH_KEY, _chat(50, stream=True),
+                                        headers=RESUMABLE) as resp:
                 batch = await _events(resp)
             async with await stack.post(INTERACTIVE_KEY, _chat(50, stream=True)) as resp:
                 interactive = await _events(resp)
     finally:
         await runner.cleanup()
-    final = batch[-2]["choices"][0]
-    assert final["finish_reason"] == "preempted"
-    assert final["borrowd_text"] == " a b"
-    assert "upstream failed mid-stream" in final["borrowd_reason"]
+    assert _text(batch) == " a b"
+    assert "upstream failed mid-stream" in batch[-2]["error"]["message"]
+    assert batch[-1] == {"done": True}
     assert "upstream failed mid-stream" in interactive[-2]["error"]["message"]
     assert interactive[-1] == {"done": True}
 
@@ -521,8 +561,9 @@ async def test_upstream_errors_are_relayed_or_reported(stack: Stack) -> None:
         assert (await resp.json())["data"][0]["id"] == MODEL
 
 
-async def test_unreachable_or_failing_upstream_gives_502(redis_proc: ServerProcess) -> None:
-    """No upstream listening, or one answering 500, is a 502 with a clear message."""
+async def test_unreachable_or_failing_upstream_is_reported(redis_proc: ServerProcess) -> None:
+    """No upstream listening is a 502; one answering 500 keeps its status; neither body
+    shows the upstream's address."""
     dead_port = free_port()
 
     async def broken(_request: web.Request) -> web.Response:
@@ -535,8 +576,9 @@ async def test_unreachable_or_failing_upstream_gives_502(redis_proc: ServerProce
     broken_port = free_port()
     await web.TCPSite(runner, "127.0.0.1", broken_port).start()
     try:
-        for upstream, needle in ((f"http://127.0.0.1:{dead_port}", "no upstream reachable"),
-                                 (f"http://127.0.0.1:{broken_port}", "answered 500")):
+        for upstream, status, needle in (
+                (f"http://127.0.0.1:{dead_port}", 502, "no upstream reachable"),
+                (f"http://127.0.0.1:{broken_port}", 500, "answered 500")):
             client = connect_async(redis_proc.extra["url"])
             proxy = ProxyServer(parse_config(_config(upstream)), AsyncGate(client, POOL))
             port = free_port()
@@ -546,8 +588,10 @@ async def test_unreachable_or_failing_upstream_gives_502(redis_proc: ServerProce
                     f"http://127.0.0.1:{port}/v1/chat/completions", json=_chat(),
                     headers={"Authorization": f"Bearer {INTERACTIVE_KEY}"},
                 ) as resp:
-                    assert resp.status == 502
-                    assert needle in (await resp.json())["error"]["message"]
+                    assert resp.status == status
+                    text = await resp.text()
+                    assert needle in json.loads(text)["error"]["message"]
+                    assert "127.0.0.1" not in text
             finally:
                 await proxy_runner.cleanup()
                 await client.aclose()
