@@ -101,3 +101,29 @@ def test_rewrite_injects_priority_caps_and_usage() -> None:
     assert "priority" not in plain
     assert "stream_options" not in plain
     assert plain["max_tokens"] == 900
+
+
+@pytest.mark.parametrize(("raw", "field"), [
+    (b'{"model":"m","messages":[{"role":"user","content":"hi"}],"temperature":NaN}',
+     "temperature"),
+    (b'{"model":"m","messages":[{"role":"user","content":"hi"}],"top_p":-Infinity}', "top_p"),
+    (b'{"model":"m","messages":[{"role":"user","content":"hi"}],"logit_bias":{"5":1e400}}',
+     "logit_bias.5"),
+    (b'{"model":"m","messages":[{"role":"user","content":"hi","x":[1,NaN]}]}',
+     "messages[0].x[1]"),
+], ids=["nan", "infinity", "overflow", "nested"])
+def test_non_finite_numbers_are_refused_naming_the_field(raw: bytes, field: str) -> None:
+    """Python's json reads NaN and Infinity; the proxy refuses them (and numbers that
+    overflow to infinity) with the field's path, instead of forwarding them."""
+    with pytest.raises(FieldError) as info:
+        parse_completion_request(raw, Endpoint.CHAT)
+    assert info.value.field == field
+
+
+def test_stream_interval_is_not_forwarded() -> None:
+    """A client cannot thin its stream (and the ITL signal read from it) with
+    `stream_interval`."""
+    req = parse_completion_request(_raw(stream=True, stream_interval=50), Endpoint.CHAT)
+    body = json.loads(rewrite_body(req, priority=0, max_tokens=None, stream=True,
+                                   continuous_usage=False))
+    assert "stream_interval" not in body

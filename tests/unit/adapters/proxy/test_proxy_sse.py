@@ -7,7 +7,13 @@ import json
 import pytest
 
 from adapters.proxy.openai import Endpoint
-from adapters.proxy.sse import PREEMPTED, StreamTally, event_payload, take_complete
+from adapters.proxy.sse import (
+    PREEMPTED,
+    StreamTally,
+    event_payload,
+    strip_usage,
+    take_complete,
+)
 
 
 def _chat_chunk(text: str | None, finish: str | None = None, usage: dict | None = None) -> bytes:
@@ -125,3 +131,55 @@ def test_completion_body_assembled_from_stream(finish: str | None, reason: str,
     assert choice["message"] == {"role": "assistant", "content": " hi"}
     assert choice["finish_reason"] == want
     assert body["usage"]["completion_tokens"] == 1
+
+
+def test_non_streaming_body_keeps_tool_calls_reasoning_and_logprobs() -> None:
+    """Deltas of tool calls (by index), reasoning and logprobs are merged into the message,
+    as vLLM's own non-streaming answer has them."""
+    tally = StreamTally(Endpoint.CHAT, keep_payloads=True)
+    chunks = [
+        {"delta": {"role": "assistant", "reasoning_content": "think "}},
+        {"delta": {"reasoning_content": "more"},
+         "logprobs": {"content": [{"token": "a", "logprob": -0.1}]}},
+        {"delta": {"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                                   "function": {"name": "get", "arguments": '{"ci'}}]},
+         "logprobs": {"content": [{"token": "b", "logprob": -0.2}]}},
+        {"delta": {"tool_calls": [{"index": 0, "function": {"arguments": 'ty":"x"}'}}]}},
+        {"delta": {}, "finish_reason": "tool_calls"},
+    ]
+    for choice in chunks:
+        tally.observe(json.dumps({"id": "c", "choices": [{"index": 0, **choice}]}).encode())
+    body = json.loads(tally.completion_body("req", "m", 4, preempted_reason=""))
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"] == {
+        "role": "assistant", "content": None, "reasoning_content": "think more",
+        "tool_calls": [{"id": "call_1", "type": "function",
+                        "function": {"name": "get", "arguments": '{"city":"x"}'}}]}
+    assert [t["token"] for t in choice["logprobs"]["content"]] == ["a", "b"]
+
+
+def test_error_events_are_told_apart() -> None:
+    """vLLM's in-stream error event is kept as the stream's error, with its status."""
+    tally = StreamTally(Endpoint.CHAT, keep_payloads=True)
+    tally.observe(_chat_chunk(" a"))
+    assert tally.error is None
+    tally.observe(b'{"error": {"message": "boom", "type": "BadRequestError", "code": 400}}')
+    assert tally.error_detail() == (400, {"message": "boom", "type": "BadRequestError",
+                                          "code": 400})
+    assert tally.observe(b"[DONE]") == (False, False) and tally.done
+
+
+@pytest.mark.parametrize("payload", [
+    b'{"id":"c","choices":[{"index":0,"delta":{"content":" a"}}],'
+    b'"usage":{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4}}',
+    b'{"id":"c","choices":[{"index":0,"delta":{"content":" a"}}], "usage": {"prompt_tokens":3,'
+    b'"prompt_tokens_details":{"cached_tokens":0},"completion_tokens":1}}',
+    b'{"id":"c","choices":[{"index":0,"delta":{"content":" a"}}],"usage":null}',
+], ids=["compact", "nested", "null"])
+def test_strip_usage_removes_only_the_usage_member(payload: bytes) -> None:
+    """The per-chunk usage the proxy asked for on the client's behalf is cut out; the rest
+    of the chunk is intact JSON."""
+    stripped = json.loads(strip_usage(payload))
+    assert "usage" not in stripped
+    assert stripped["choices"][0]["delta"] == {"content": " a"}
