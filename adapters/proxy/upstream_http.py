@@ -7,6 +7,12 @@ uvicorn's 5 s keep-alive timeout (vLLM's server); a request sent on a reused con
 that the server closed before answering a byte is sent once more on a new connection.
 Read timeouts are the longest silence mid-response, checked by one sweeper task rather
 than a timer per chunk.
+
+Each request/response pair is its own `UpstreamResponse` object, apart from the connection
+(`_Connection`) that carries it. A connection goes back to the idle pool the moment its
+response's last byte is parsed, often before the request's handler has read the body; the
+body and the ending stay buffered in that handler's own exchange, so a request that reuses
+the connection at once starts a new exchange and cannot touch (or receive) the old one.
 """
 
 from __future__ import annotations
@@ -46,99 +52,73 @@ class _Target:
         self.prefix = parts.path.rstrip("/")
         default_port = (self.secure and self.port == 443) or (not self.secure and self.port == 80)
         self.host_header = self.host if default_port else f"{self.host}:{self.port}"
-        self.idle: list[UpstreamResponse] = []
+        self.idle: list[_Connection] = []
 
 
-class UpstreamResponse(asyncio.Protocol):
-    """One connection to an upstream, and the response being read on it.
+class UpstreamResponse:
+    """One request sent to an upstream, and its response.
 
     `status` and `headers` are set once the head has arrived. The body goes to the sink set
     by `stream(on_body, on_end)` (chunks that came before are handed over first), or is
-    gathered by `read()`. `close()` drops the connection, which makes vLLM abort the request.
+    gathered by `read()`. `close()` drops the connection while this response is still
+    being read on it, which makes vLLM abort the request; once the response has ended it
+    does nothing, since the connection may already carry another request.
     """
 
-    def __init__(self, client: UpstreamClient, target: _Target) -> None:
-        self._client = client
-        self._target = target
-        self._parser = httptools.HttpResponseParser(self)
-        self.transport: asyncio.Transport | None = None
+    def __init__(self, conn: _Connection) -> None:
+        self._conn = conn
         self.status = 0
         self.headers: dict[str, str] = {}
-        self._head: asyncio.Future[None] | None = None
+        self._head: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._early: list[bytes] = []
         self._on_body: BodySink | None = None
         self._on_end: EndSink | None = None
         self._ended: str | None = None
-        self._framed = True
+        self.framed = True
         self.received_bytes = 0
-        self.last_data_s = 0.0
-        self.idle_since_s = 0.0
-        self.busy = False
-        self.closed = False
-        self.exchanges = 0
-
-    # -- transport -------------------------------------------------------------------
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = no_delay(transport)
-
-    def data_received(self, data: bytes) -> None:
-        self.received_bytes += len(data)
         self.last_data_s = time.monotonic()
-        try:
-            self._parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            self._fail(f"malformed response from upstream: {exc}")
+        self.finished = False
+        """True once the last byte was parsed or the exchange failed."""
 
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        with contextlib.suppress(ValueError):
-            self._target.idle.remove(self)
-        if self.busy:
-            if not self._framed and self.status:
-                self._end("")
-            else:
-                self._fail("connection closed early" if exc is None else repr(exc))
+    @property
+    def live(self) -> bool:
+        """True while this response is unfinished and its connection is still open."""
+        return not self.finished and self._conn.current is self and not self._conn.closed
 
-    # -- httptools callbacks -----------------------------------------------------------
+    # -- fed by the connection -----------------------------------------------------------
 
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
-
-    def on_headers_complete(self) -> None:
-        self.status = self._parser.get_status_code()
-        self._framed = ("content-length" in self.headers
-                        or "chunked" in self.headers.get("transfer-encoding", "")
-                        or self.status in (204, 304))
-        if self._head is not None and not self._head.done():
+    def _head_done(self, status: int, headers: dict[str, str]) -> None:
+        self.status = status
+        self.headers = headers
+        self.framed = ("content-length" in headers
+                       or "chunked" in headers.get("transfer-encoding", "")
+                       or status in (204, 304))
+        if not self._head.done():
             self._head.set_result(None)
 
-    def on_body(self, body: bytes) -> None:
+    def _body(self, body: bytes) -> None:
         if self._on_body is not None:
             self._on_body(body)
         else:
             self._early.append(body)
 
-    def on_message_complete(self) -> None:
-        self._end("")
+    def _finish(self, failure: str) -> None:
+        """The exchange is over: complete ("") or failed; deliver or buffer the ending."""
+        if self.finished:
+            return
+        self.finished = True
+        if not self._head.done():
+            kind = "timeout" if failure == "timeout" else "closed"
+            self._head.set_exception(UpstreamError(kind, failure or "connection closed early"))
+            # Nobody may await the head (the requester was cancelled): retrieve it here.
+            self._head.exception()
+            return
+        if self._on_end is None:
+            self._ended = failure
+        else:
+            self._deliver_end(failure)
 
-    # -- one exchange ------------------------------------------------------------------
-
-    def send(self, request: bytes) -> asyncio.Future[None]:
-        """Write a request; the returned future resolves when the response head is in."""
-        self.busy = True
-        self.exchanges += 1
-        self.status = 0
-        self.headers = {}
-        self._early = []
-        self._on_body = self._on_end = None
-        self._ended = None
-        self.received_bytes = 0
-        self.last_data_s = time.monotonic()
-        self._head = asyncio.get_running_loop().create_future()
-        assert self.transport is not None
-        self.transport.write(request)
-        return self._head
+    # -- used by the request's handler ---------------------------------------------------
 
     def stream(self, on_body: BodySink, on_end: EndSink) -> None:
         """Hand the body to `on_body` chunk by chunk, then call `on_end` once."""
@@ -166,28 +146,105 @@ class UpstreamResponse(asyncio.Protocol):
             raise UpstreamError("timeout" if failure == "timeout" else "closed", failure)
         return b"".join(parts)
 
-    def _current(self, action: Callable[[], None]) -> Callable[[], None]:
-        """`action`, made to do nothing once this exchange has ended (the connection may
-        then serve another request)."""
-        exchange = self.exchanges
-
+    def _while_live(self, action: Callable[[], None]) -> Callable[[], None]:
         def guarded() -> None:
-            if self.busy and self.exchanges == exchange:
+            if self.live:
                 action()
 
         return guarded
 
     def aborter(self) -> Callable[[], None]:
-        """A callable that drops the connection while this exchange is unfinished."""
-        return self._current(self.close)
+        """A callable that drops the connection while this response is unfinished."""
+        return self._while_live(self._conn.close)
 
     def pauser(self) -> Callable[[], None]:
-        """A callable that pauses reading while this exchange is unfinished."""
-        return self._current(self.pause_reading)
+        """A callable that pauses reading while this response is unfinished."""
+        return self._while_live(self._conn.pause_reading)
 
     def resumer(self) -> Callable[[], None]:
-        """A callable that resumes reading while this exchange is unfinished."""
-        return self._current(self.resume_reading)
+        """A callable that resumes reading while this response is unfinished."""
+        return self._while_live(self._conn.resume_reading)
+
+    def close(self) -> None:
+        """Drop the connection if it still carries this response (aborts it upstream)."""
+        if self.live:
+            self._conn.close()
+
+    def _deliver_end(self, failure: str) -> None:
+        on_end, self._on_end = self._on_end, None
+        self._on_body = None
+        if on_end is not None:
+            on_end(failure)
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection to an upstream; carries one `UpstreamResponse` at a time."""
+
+    def __init__(self, client: UpstreamClient, target: _Target) -> None:
+        self._client = client
+        self.target = target
+        self._parser = httptools.HttpResponseParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.current: UpstreamResponse | None = None
+        self._headers: dict[str, str] = {}
+        self._paused = False
+        self.idle_since_s = 0.0
+        self.closed = False
+
+    # -- transport -------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = no_delay(transport)
+
+    def data_received(self, data: bytes) -> None:
+        exchange = self.current
+        if exchange is None:
+            # Bytes on an idle connection answer no request: the stream is out of step.
+            self.close()
+            return
+        exchange.received_bytes += len(data)
+        exchange.last_data_s = time.monotonic()
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(f"malformed response from upstream: {exc}")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        with contextlib.suppress(ValueError):
+            self.target.idle.remove(self)
+        exchange = self.current
+        if exchange is not None:
+            if not exchange.framed and exchange.status:
+                self._settle("")
+            else:
+                self._fail("connection closed early" if exc is None else repr(exc))
+
+    # -- httptools callbacks -----------------------------------------------------------
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+
+    def on_headers_complete(self) -> None:
+        if self.current is not None:
+            self.current._head_done(self._parser.get_status_code(), self._headers)
+
+    def on_body(self, body: bytes) -> None:
+        if self.current is not None:
+            self.current._body(body)
+
+    def on_message_complete(self) -> None:
+        self._settle("")
+
+    # -- one exchange at a time ----------------------------------------------------------
+
+    def send(self, request: bytes) -> UpstreamResponse:
+        """Write a request and start its exchange; its head future is `exchange._head`."""
+        assert self.current is None and self.transport is not None
+        exchange = self.current = UpstreamResponse(self)
+        self._headers = {}
+        self.transport.write(request)
+        return exchange
 
     def close(self) -> None:
         """Drop the connection (mid-response this aborts the request upstream)."""
@@ -196,46 +253,34 @@ class UpstreamResponse(asyncio.Protocol):
 
     def pause_reading(self) -> None:
         """Stop reading the body (the client is slow)."""
-        if self.transport is not None and not self.closed:
+        if self.transport is not None and not self.closed and not self._paused:
+            self._paused = True
             self.transport.pause_reading()
 
     def resume_reading(self) -> None:
         """Read the body again."""
-        if self.transport is not None and not self.closed:
+        if self.transport is not None and not self.closed and self._paused:
+            self._paused = False
             self.transport.resume_reading()
 
     def timed_out(self) -> None:
         """The upstream was silent too long mid-response."""
         self._fail("timeout")
-        self.close()
 
     def _fail(self, reason: str) -> None:
-        if self._head is not None and not self._head.done():
-            kind = "timeout" if reason == "timeout" else "closed"
-            self._head.set_exception(UpstreamError(kind, reason))
-            self.busy = False
-            self._client._settled(self, keep=False)
-            self.close()
-            return
-        self._end(reason)
+        self._settle(reason)
         self.close()
 
-    def _end(self, failure: str) -> None:
-        if not self.busy:
+    def _settle(self, failure: str) -> None:
+        """Detach the current exchange, pool the connection if reusable, then tell it."""
+        exchange, self.current = self.current, None
+        if exchange is None:
             return
-        self.busy = False
-        self._client._settled(self, keep=failure == "" and not self.closed
-                              and self._parser.should_keep_alive())
-        if self._on_end is None:
-            self._ended = failure
-        else:
-            self._deliver_end(failure)
-
-    def _deliver_end(self, failure: str) -> None:
-        on_end, self._on_end = self._on_end, None
-        self._on_body = None
-        if on_end is not None:
-            on_end(failure)
+        keep = (failure == "" and not self.closed and exchange.framed
+                and self._parser.should_keep_alive())
+        self.resume_reading()
+        self._client._settled(self, keep=keep)
+        exchange._finish(failure)
 
 
 class UpstreamClient:
@@ -247,7 +292,7 @@ class UpstreamClient:
         self.read_timeout_s = read_timeout_s
         self.idle_keepalive_s = idle_keepalive_s
         self._targets: dict[str, _Target] = {}
-        self._busy: set[UpstreamResponse] = set()
+        self._busy: set[_Connection] = set()
         self._sweeper: asyncio.Task | None = None
         self._ssl: ssl.SSLContext | None = None
 
@@ -269,25 +314,27 @@ class UpstreamClient:
         head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
         conn = self._reuse(target)
         if conn is not None:
+            exchange = conn.send(head + body)
             try:
-                return await self._exchange(conn, head + body)
+                return await self._head(conn, exchange)
             except UpstreamError as exc:
                 # The server closed an idle connection as the request went out: retry once
                 # on a new one. A response byte would mean the server took the request.
-                if exc.kind != "closed" or conn.received_bytes:
+                if exc.kind != "closed" or exchange.received_bytes:
                     raise
-        return await self._exchange(await self._connect(target), head + body)
+        conn = await self._connect(target)
+        return await self._head(conn, conn.send(head + body))
 
-    def _reuse(self, target: _Target) -> UpstreamResponse | None:
+    def _reuse(self, target: _Target) -> _Connection | None:
         horizon_s = time.monotonic() - self.idle_keepalive_s
         while target.idle:
             conn = target.idle.pop()
-            if not conn.closed and conn.idle_since_s >= horizon_s:
+            if not conn.closed and conn.current is None and conn.idle_since_s >= horizon_s:
                 return conn
             conn.close()
         return None
 
-    async def _connect(self, target: _Target) -> UpstreamResponse:
+    async def _connect(self, target: _Target) -> _Connection:
         loop = asyncio.get_running_loop()
         context = None
         if target.secure:
@@ -296,7 +343,7 @@ class UpstreamClient:
             context = self._ssl
         try:
             _transport, conn = await asyncio.wait_for(
-                loop.create_connection(lambda: UpstreamResponse(self, target), target.host,
+                loop.create_connection(lambda: _Connection(self, target), target.host,
                                        target.port, ssl=context),
                 self.connect_timeout_s)
         except TimeoutError:
@@ -306,21 +353,22 @@ class UpstreamClient:
             raise UpstreamError("connect", exc.strerror or repr(exc)) from None
         return conn
 
-    async def _exchange(self, conn: UpstreamResponse, request: bytes) -> UpstreamResponse:
-        self._busy.add(conn)
+    async def _head(self, conn: _Connection, exchange: UpstreamResponse) -> UpstreamResponse:
+        """Wait for the exchange's response head; a cancelled wait drops the connection."""
+        if not exchange.finished:
+            self._busy.add(conn)
         try:
-            await conn.send(request)
+            await exchange._head
         except BaseException:
-            self._busy.discard(conn)
-            conn.close()
+            exchange.close()
             raise
-        return conn
+        return exchange
 
-    def _settled(self, conn: UpstreamResponse, keep: bool) -> None:
+    def _settled(self, conn: _Connection, keep: bool) -> None:
         self._busy.discard(conn)
         if keep:
             conn.idle_since_s = time.monotonic()
-            conn._target.idle.append(conn)
+            conn.target.idle.append(conn)
 
     async def _sweep(self) -> None:
         """Time out silent responses; close idle connections past their keep-alive."""
@@ -329,9 +377,10 @@ class UpstreamClient:
             await asyncio.sleep(interval_s)
             now_s = time.monotonic()
             for conn in list(self._busy):
-                if conn.closed or not conn.busy:
+                exchange = conn.current
+                if conn.closed or exchange is None:
                     self._busy.discard(conn)
-                elif now_s - conn.last_data_s > self.read_timeout_s:
+                elif now_s - exchange.last_data_s > self.read_timeout_s:
                     self._busy.discard(conn)
                     conn.timed_out()
             for target in self._targets.values():

@@ -268,12 +268,95 @@ async def test_stale_aborter_leaves_a_reused_connection_alone() -> None:
         abort_first = first.aborter()
         await first.read()
         second = await client.request(f"http://127.0.0.1:{port}", "GET", "/", {})
-        assert second is first  # the same connection, reused
+        assert second._conn is first._conn  # the same connection, reused
         abort_first()
         assert await second.read() == b"ok"
     finally:
         await client.close()
         server.close()
+
+
+async def _tagging_upstream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Answers each request in ONE write: a body naming the request's path; /stream/* as
+    three chunks with pauses, /err/* as a 404."""
+    while True:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+        except (asyncio.IncompleteReadError, ConnectionError):
+            break
+        path = head.split(b" ", 2)[1]
+        if path.startswith(b"/stream/"):
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+            for part in (b"<", path, b">"):
+                await asyncio.sleep(0.001)
+                writer.write(b"%x\r\n%s\r\n" % (len(part), part))
+            writer.write(b"0\r\n\r\n")
+        else:
+            status = b"404 Not Found" if path.startswith(b"/err/") else b"200 OK"
+            writer.write(b"HTTP/1.1 %s\r\nContent-Length: %d\r\n\r\n%s"
+                         % (status, len(path), path))
+        await writer.drain()
+    writer.close()
+
+
+async def test_a_reused_connection_never_hands_over_an_unread_response() -> None:
+    """The whole response arrives in one read, so its connection is back in the pool before
+    its handler reads the body; a request that reuses the connection at once must neither
+    wipe that body nor be handed it (the cross-client mix-up)."""
+    port = free_port()
+    server = await asyncio.start_server(_tagging_upstream, "127.0.0.1", port)
+    client = UpstreamClient(connect_timeout_s=1.0, read_timeout_s=5.0)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        first = await client.request(base, "GET", "/first", {})
+        second = await client.request(base, "GET", "/err/second", {})
+        assert second._conn is first._conn  # the race: the first's connection, reused
+        assert (second.status, await asyncio.wait_for(second.read(), 5)) == (404, b"/err/second")
+        assert (first.status, await asyncio.wait_for(first.read(), 5)) == (200, b"/first")
+    finally:
+        await client.close()
+        server.close()
+
+
+@pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
+def test_every_response_reaches_its_own_request_under_load(loop_kind: str) -> None:
+    """400 concurrent workers x 5 requests (whole bodies, chunked streams, errors) over a
+    shared keep-alive pool: every response carries its own request's tag."""
+    async def main() -> list[str]:
+        port = free_port()
+        server = await asyncio.start_server(_tagging_upstream, "127.0.0.1", port)
+        client = UpstreamClient(connect_timeout_s=2.0, read_timeout_s=10.0)
+        base = f"http://127.0.0.1:{port}"
+        wrong: list[str] = []
+
+        async def worker(index: int) -> None:
+            for round_ in range(5):
+                kind = ("whole", "stream", "err")[(index + round_) % 3]
+                path = {"whole": f"/w/{index}/{round_}", "stream": f"/stream/{index}/{round_}",
+                        "err": f"/err/{index}/{round_}"}[kind]
+                resp = await client.request(base, "GET", path, {})
+                if kind == "stream":
+                    got: list[bytes] = []
+                    ended: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+                    resp.stream(got.append, ended.set_result)
+                    body = b"".join(got) if await ended == "" else b"failed"
+                    expected = b"<" + path.encode() + b">"
+                else:
+                    body = await resp.read()
+                    expected = path.encode()
+                status = 404 if kind == "err" else 200
+                if (resp.status, body) != (status, expected):
+                    wrong.append(f"{path}: {resp.status} {body[:40]!r}")
+
+        try:
+            await asyncio.wait_for(asyncio.gather(*(worker(i) for i in range(400))), 30)
+        finally:
+            await client.close()
+            server.close()
+        return wrong
+
+    run = uvloop.run if loop_kind == "uvloop" else asyncio.run
+    assert run(main()) == []
 
 
 def test_server_runs_on_uvloop() -> None:
