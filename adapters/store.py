@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import secrets
 import threading
 import time
@@ -22,8 +23,8 @@ import redis.asyncio
 import structlog
 
 from adapters.lua import script_text
-from models.budget import SCHEMA_VERSION, Budget, Mode, closed_budget
-from models.errors import BorrowdError, BudgetRecordError, InputError
+from models.budget import MAX_RECORD_NUMBER, SCHEMA_VERSION, Budget, Mode, closed_budget
+from models.errors import BudgetRecordError, FencedError, InputError
 
 log = structlog.get_logger(__name__)
 
@@ -34,21 +35,10 @@ REAP_LIMIT = 256
 REVOKE_STREAM_MAXLEN = 10_000
 # Between the holder id and the per-process nonce in the leader lease value.
 LEASE_NONCE_SEP = "#"
+# Furthest a publish may move the epoch counter forward (as MAX_EPOCH_JUMP in common.lua).
+MAX_EPOCH_JUMP = 1_000_000
 # Lease of the record the stop switch writes when no controller is publishing.
 STOP_RECORD_TTL_MS = 3_600_000
-
-
-class FencedError(BorrowdError):
-    """A write from an epoch older than the pool's newest: the writer is no longer leader."""
-
-    def __init__(self, pool: str, epoch: int, newest_epoch: int) -> None:
-        super().__init__(
-            f"budget write to pool {pool!r} refused: epoch {epoch} is older than epoch "
-            f"{newest_epoch} (this writer was deposed)"
-        )
-        self.pool = pool
-        self.epoch = epoch
-        self.newest_epoch = newest_epoch
 
 
 @dataclass(frozen=True)
@@ -145,8 +135,21 @@ class RecordRead:
     detail: str = ""
 
 
-def parse_record(pool: str, fields: dict[str, str], newest_epoch: int, now_s: float) -> RecordRead:
-    """Judge stored fields: usable, or absent/expired/malformed/foreign-schema/fenced, and why."""
+def parse_counter(text: str | None) -> int | None:
+    """The stored epoch counter (0 when absent), or None when it is not a plain integer
+    (the scripts then treat every record as malformed, as this does)."""
+    if text is None:
+        return 0
+    if not re.fullmatch(r"[0-9]+", text) or int(text) > MAX_RECORD_NUMBER:
+        return None
+    return int(text)
+
+
+def parse_record(pool: str, fields: dict[str, str], newest_epoch: int | None,
+                 now_s: float) -> RecordRead:
+    """Judge stored fields against the epoch counter (`newest_epoch`, None = malformed):
+    usable, or absent/expired/malformed/foreign-schema/fenced, and why. The gate's admit
+    script judges by the same rules."""
     if not fields:
         return RecordRead(None, ReadStatus.ABSENT)
     schema = fields.get("schema")
@@ -161,13 +164,23 @@ def parse_record(pool: str, fields: dict[str, str], newest_epoch: int, now_s: fl
         return RecordRead(None, ReadStatus.MALFORMED, str(exc))
     if budget.pool != pool:
         return RecordRead(None, ReadStatus.MALFORMED, f"record names pool {budget.pool!r}")
+    if newest_epoch is None:
+        return RecordRead(None, ReadStatus.MALFORMED, "the epoch counter is not an integer")
+    if budget.epoch > newest_epoch + MAX_EPOCH_JUMP:
+        return RecordRead(
+            None, ReadStatus.MALFORMED,
+            f"record epoch {budget.epoch} is past the epoch counter {newest_epoch} by more "
+            f"than {MAX_EPOCH_JUMP}",
+        )
     if budget.epoch < newest_epoch:
         return RecordRead(
             None, ReadStatus.FENCED, f"record epoch {budget.epoch} < newest epoch {newest_epoch}"
         )
     if not budget.is_fresh(now_s):
         return RecordRead(
-            None, ReadStatus.EXPIRED, f"lease ended at {budget.expires_at_s():.3f} s"
+            None, ReadStatus.EXPIRED,
+            f"lease issued at {budget.issued_at_s:.3f} s for {budget.ttl_ms} ms does not hold "
+            f"at {now_s:.3f} s",
         )
     return RecordRead(budget, ReadStatus.OK)
 
@@ -206,6 +219,12 @@ def _check_publish(pool: str, budget: Budget, epoch: int, ttl_ms: int) -> None:
 
 
 def _published(pool: str, epoch: int, reply: list) -> Budget:
+    if int(reply[0]) == 0 and reply[1] == "epoch_jump":
+        raise InputError(
+            f"budget write to pool {pool!r} refused: epoch {epoch} is more than "
+            f"{MAX_EPOCH_JUMP} past the epoch counter {int(reply[2])} (epochs come from the "
+            "leader election)"
+        )
     if int(reply[0]) == 0:
         raise FencedError(pool, epoch, int(reply[2]))
     budget = Budget.from_json(reply[1])
@@ -242,7 +261,7 @@ class BudgetStore:
             pipe.hgetall(self.keys.budget)
             pipe.get(self.keys.epoch)
             fields, epoch = pipe.execute()
-        return _report(self.pool, parse_record(self.pool, fields, int(epoch or 0), now_s),
+        return _report(self.pool, parse_record(self.pool, fields, parse_counter(epoch), now_s),
                        report)
 
     def read(self, now_s: float) -> Budget | None:
@@ -290,7 +309,7 @@ class AsyncBudgetStore:
             pipe.hgetall(self.keys.budget)
             pipe.get(self.keys.epoch)
             fields, epoch = await pipe.execute()
-        return _report(self.pool, parse_record(self.pool, fields, int(epoch or 0), now_s),
+        return _report(self.pool, parse_record(self.pool, fields, parse_counter(epoch), now_s),
                        report)
 
     async def read(self, now_s: float) -> Budget | None:

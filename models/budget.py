@@ -10,12 +10,21 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from dataclasses import dataclass
 from enum import StrEnum
 
 from models.errors import BudgetRecordError
 
 SCHEMA_VERSION = 1
+# A stored number is plain decimal (no nan, inf, hex, spaces or underscores), finite and at
+# most this in size; the Lua scripts (adapters/lua/common.lua) read records by the same rule,
+# so `borrowd status`, the watchers and the gate agree on what is malformed.
+MAX_RECORD_NUMBER = 1e15
+# Longest lease a stored record may carry (the stop switch's record).
+MAX_RECORD_TTL_MS = 3_600_000
+_INT = re.compile(r"-?[0-9]+")
+_NUMBER = re.compile(r"-?[0-9]+\.?[0-9]*([eE][+-]?[0-9]+)?")
 
 
 class Mode(StrEnum):
@@ -82,8 +91,11 @@ class Budget:
         return self.issued_at_s + self.ttl_ms / 1000.0
 
     def is_fresh(self, now_s: float) -> bool:
-        """True while the lease has not expired at `now_s`."""
-        return now_s < self.expires_at_s()
+        """True while the record's own lease holds at `now_s`: issued at most one lease
+        ahead of `now_s` (a clock far ahead cannot make it live for long) and not expired.
+        The gate's scripts apply the same rule on Redis's clock."""
+        ttl_s = self.ttl_ms / 1000.0
+        return self.issued_at_s - ttl_s <= now_s < self.issued_at_s + ttl_s
 
     def with_envelope(self, *, epoch: int, seq: int, issued_at_s: float, ttl_ms: int) -> Budget:
         """Copy with the store's envelope filled in."""
@@ -132,7 +144,7 @@ class Budget:
             mode = Mode(mode_text)
         except ValueError:
             raise BudgetRecordError(f"budget field mode has unknown value {mode_text!r}") from None
-        return cls(
+        budget = cls(
             pool=_parse(f, "pool", str),
             mode=mode,
             reason=f.get("reason", ""),
@@ -147,6 +159,13 @@ class Budget:
             ttl_ms=_parse(f, "ttl_ms", int),
             schema=schema,
         )
+        if budget.epoch < 0 or budget.seq < 0 or budget.issued_at_s < 0:
+            raise BudgetRecordError("budget record has a negative epoch, seq or issued_at")
+        if not 0 < budget.ttl_ms <= MAX_RECORD_TTL_MS:
+            raise BudgetRecordError(
+                f"budget field ttl_ms must be in 1..{MAX_RECORD_TTL_MS}, got {budget.ttl_ms}"
+            )
+        return budget
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Budget:
@@ -177,7 +196,10 @@ def closed_budget(pool: str, mode: Mode, reason: str) -> Budget:
 def _parse(fields: dict[str, str], name: str, kind: type):
     if name not in fields:
         raise BudgetRecordError(f"budget record lacks field {name}")
-    try:
-        return kind(fields[name])
-    except ValueError:
-        raise BudgetRecordError(f"budget field {name} has bad value {fields[name]!r}") from None
+    text = fields[name]
+    if kind is str:
+        return text
+    pattern = _INT if kind is int else _NUMBER
+    if not pattern.fullmatch(text) or abs(float(text)) > MAX_RECORD_NUMBER:
+        raise BudgetRecordError(f"budget field {name} has bad value {text!r}")
+    return kind(text)

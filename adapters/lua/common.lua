@@ -6,44 +6,176 @@
 --   reqs    HASH request_id -> "reserved_tokens:clamped_max_output_tokens"
 --   state   HASH tokens, ts_ms (token bucket), kv_tokens (sum of reservations), counter
 
+-- Every number a script reads goes through parse_number or parse_int, never tonumber alone:
+-- Lua's tonumber takes 'nan', 'inf', hex ('0x10') and 1e300. A number here is plain decimal,
+-- finite and at most MAX_NUMBER in size (models/budget.py applies the same rule in Python).
+local MAX_NUMBER = 1e15
+-- Longest lease a budget record may carry (the stop switch's record).
+local MAX_RECORD_TTL_MS = 3600000
+-- Furthest a publish may move the epoch counter forward (fencing tokens come from INCR).
+local MAX_EPOCH_JUMP = 1000000
+local MODES = {open = true, ramp = true, closed = true, stopped = true, failsafe = true}
+
+local function parse_number(text)
+  if type(text) ~= 'string' then return nil end
+  if not (string.match(text, '^%-?%d+%.?%d*$') or string.match(text, '^%-?%d+%.?%d*[eE][%+%-]?%d+$'))
+  then
+    return nil
+  end
+  local x = tonumber(text)
+  if x == nil or x ~= x or x > MAX_NUMBER or x < -MAX_NUMBER then return nil end
+  return x
+end
+
+local function parse_int(text)
+  if type(text) ~= 'string' or not string.match(text, '^%-?%d+$') then return nil end
+  return parse_number(text)
+end
+
+-- A caller's argument as a number, or an error reply naming it (callers validate first).
+local function arg_number(text, name)
+  local x = parse_number(text)
+  if x == nil then error(redis.error_reply('ERR borrowd: bad argument ' .. name)) end
+  return x
+end
+
+local function arg_int(text, name)
+  local x = parse_int(text)
+  if x == nil then error(redis.error_reply('ERR borrowd: bad argument ' .. name)) end
+  return x
+end
+
 -- The time in ms: the caller's when given, else the Redis server's clock.
 local function now_ms_from(arg)
   if arg == nil or arg == '' then
     local t = redis.call('TIME')
     return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   end
-  return tonumber(arg)
+  return arg_int(arg, 'now_ms')
 end
 
+-- Reserved tokens and clamped output of a reqs entry; nil, nil when it is malformed.
 local function parse_entry(entry)
-  local reserved, out = string.match(entry, '^(%d+):(%d+)$')
-  return tonumber(reserved), tonumber(out)
+  local reserved, out = string.match(entry or '', '^(%d+):(%d+)$')
+  reserved, out = parse_int(reserved), parse_int(out)
+  if reserved == nil or out == nil then return nil, nil end
+  return reserved, out
+end
+
+-- The epoch counter: 0 when absent, nil when malformed.
+local function read_counter(k_epoch)
+  local text = redis.call('GET', k_epoch)
+  if not text then return 0 end
+  local counter = parse_int(text)
+  if counter == nil or counter < 0 then return nil end
+  return counter
+end
+
+-- The pool a key belongs to (its hash tag).
+local function pool_of(key)
+  return string.match(key, '{(.*)}')
+end
+
+local RECORD_FIELDS = {'schema', 'pool', 'mode', 'epoch', 'seq', 'issued_at', 'ttl_ms',
+  'batch_tokens_per_s', 'batch_burst_tokens', 'max_batch_seqs', 'max_batch_kv_tokens',
+  'max_batch_output_tokens'}
+local RECORD_INTS = {'epoch', 'seq', 'ttl_ms', 'batch_burst_tokens', 'max_batch_seqs',
+  'max_batch_kv_tokens', 'max_batch_output_tokens'}
+local RECORD_NUMBERS = {'issued_at', 'batch_tokens_per_s'}
+
+-- A record's fields (name -> text) checked and parsed: the record, or nil and why
+-- ('no_budget' | 'foreign_schema' | 'malformed'). Budget.from_fields is the same rule.
+local function check_record(f, pool, schema)
+  if f.schema == nil then return nil, 'no_budget' end
+  if f.schema ~= schema then return nil, 'foreign_schema' end
+  if f.pool ~= pool or not MODES[f.mode] then return nil, 'malformed' end
+  local r = {mode = f.mode}
+  for _, name in ipairs(RECORD_INTS) do
+    r[name] = parse_int(f[name])
+    if r[name] == nil or r[name] < 0 then return nil, 'malformed' end
+  end
+  for _, name in ipairs(RECORD_NUMBERS) do
+    r[name] = parse_number(f[name])
+    if r[name] == nil or r[name] < 0 then return nil, 'malformed' end
+  end
+  if r.ttl_ms == 0 or r.ttl_ms > MAX_RECORD_TTL_MS then return nil, 'malformed' end
+  return r, 'ok'
+end
+
+local function read_record(k_budget, schema)
+  local values = redis.call('HMGET', k_budget, unpack(RECORD_FIELDS))
+  local f = {}
+  for i, name in ipairs(RECORD_FIELDS) do
+    if values[i] then f[name] = values[i] end
+  end
+  return check_record(f, pool_of(k_budget), schema)
+end
+
+-- The record's own lease holds at now_ms: issued_at <= now + ttl (not from the future) and
+-- now < issued_at + ttl, whatever the key's TTL says (Budget.is_fresh is the same rule).
+local function lease_live(r, now_ms)
+  local issued_ms = r.issued_at * 1000
+  return issued_ms - r.ttl_ms <= now_ms and now_ms < issued_ms + r.ttl_ms
+end
+
+-- Sum of the reservations of the in-flight requests (malformed entries count 0).
+local function sum_reservations(k_reqs)
+  local total = 0
+  for _, entry in ipairs(redis.call('HVALS', k_reqs)) do
+    local reserved = parse_entry(entry)
+    if reserved then total = total + reserved end
+  end
+  return total
+end
+
+-- Reserved KV tokens; recomputed from the reservations when the stored sum is malformed.
+local function kv_tokens(k_state, k_reqs)
+  local kv = parse_int(redis.call('HGET', k_state, 'kv_tokens') or '0')
+  if kv == nil or kv < 0 then
+    kv = sum_reservations(k_reqs)
+    redis.call('HSET', k_state, 'kv_tokens', kv)
+  end
+  return kv
+end
+
+-- Forget in-flight request `ids` (a malformed entry frees nothing but never stops the
+-- reaping); keep the KV sum right. Returns the tokens freed.
+local function drop_requests(k_leases, k_order, k_reqs, k_state, ids)
+  local freed, broken = 0, false
+  for _, id in ipairs(ids) do
+    local entry = redis.call('HGET', k_reqs, id)
+    if entry then
+      local reserved = parse_entry(entry)
+      if reserved then freed = freed + reserved else broken = true end
+    end
+  end
+  local kv = kv_tokens(k_state, k_reqs)
+  redis.call('ZREM', k_leases, unpack(ids))
+  redis.call('ZREM', k_order, unpack(ids))
+  redis.call('HDEL', k_reqs, unpack(ids))
+  kv = kv - freed
+  if broken or kv < 0 then kv = sum_reservations(k_reqs) end
+  redis.call('HSET', k_state, 'kv_tokens', kv)
+  return freed
 end
 
 -- Drop in-flight requests whose lease ended at or before now_ms; return how many.
 local function reap(k_leases, k_order, k_reqs, k_state, now_ms, limit)
   local dead = redis.call('ZRANGEBYSCORE', k_leases, '-inf', now_ms, 'LIMIT', 0, limit)
   if #dead == 0 then return 0 end
-  local freed = 0
-  for _, id in ipairs(dead) do
-    local entry = redis.call('HGET', k_reqs, id)
-    if entry then freed = freed + parse_entry(entry) end
-  end
-  redis.call('ZREM', k_leases, unpack(dead))
-  redis.call('ZREM', k_order, unpack(dead))
-  redis.call('HDEL', k_reqs, unpack(dead))
-  redis.call('HINCRBY', k_state, 'kv_tokens', -freed)
+  drop_requests(k_leases, k_order, k_reqs, k_state, dead)
   return #dead
 end
 
 -- Token bucket level at now_ms from its stored level and time (refilled at rate tokens/s,
--- capped at burst; a bucket never written starts full), and its new time.
-local function refill_from(tokens, ts, now_ms, rate, burst)
-  tokens = tonumber(tokens)
-  ts = tonumber(ts)
-  if tokens == nil or ts == nil then
-    tokens = burst
-    ts = now_ms
+-- capped at burst; a bucket never written starts full, a malformed one empty), and its time.
+local function refill_from(tokens_text, ts_text, now_ms, rate, burst)
+  local tokens, ts
+  if not tokens_text and not ts_text then
+    tokens, ts = burst, now_ms
+  else
+    tokens, ts = parse_number(tokens_text), parse_number(ts_text)
+    if tokens == nil or ts == nil or tokens < 0 then tokens, ts = 0, now_ms end
   end
   if now_ms > ts then
     tokens = tokens + rate * (now_ms - ts) / 1000.0

@@ -54,7 +54,7 @@ def test_admit_clamps_output_and_injects_priority(client) -> None:
         (lambda c: c.hset(PoolKeys(POOL).budget, "schema", "9"), "foreign_schema"),
         (lambda c: c.hset(PoolKeys(POOL).budget, "max_batch_seqs", "x"), "malformed"),
         (lambda c: c.set(PoolKeys(POOL).epoch, 2), "fenced"),
-        (lambda c: BudgetStore(c, POOL).stop("ops"), "stopped"),
+        (lambda c: BudgetStore(c, POOL).stop("ops", now_s=T0), "stopped"),
         (lambda c: c.hset(PoolKeys(POOL).budget, "mode", "closed"), "mode_closed"),
         (lambda c: c.hset(PoolKeys(POOL).budget, "max_batch_output_tokens", "0"), "closed"),
     ],
