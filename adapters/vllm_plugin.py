@@ -1,13 +1,18 @@
 """A vLLM V1 scheduler that enforces the pool's batch budget inside the engine.
 
-Load it into vLLM (checked against vLLM 0.33.0) with
+Load it into vLLM (checked against vLLM 0.33.0 and 0.34.0) with
 
     BORROWD_POOL=chat BORROWD_REDIS_URL=redis://redis:6379/0 \\
     vllm serve MODEL --scheduling-policy priority \\
         --scheduler-cls adapters.vllm_plugin.BorrowdAsyncScheduler
 
-(`BorrowdAsyncScheduler` extends vLLM's `AsyncScheduler`, for asynchronous scheduling, vLLM's
-default; `BorrowdScheduler` extends the synchronous `Scheduler`.)
+borrowd must be importable by the Python that runs the engine (install it into vLLM's
+virtualenv, or its image): vLLM imports the class named by `--scheduler-cls` in the engine
+core process. Name the class that matches vLLM's scheduling mode:
+`BorrowdAsyncScheduler` (extends `AsyncScheduler`) for asynchronous scheduling, vLLM's
+default and the one to prefer; `BorrowdScheduler` (extends the synchronous `Scheduler`) only
+with `--no-async-scheduling`. Naming a subclass of the synchronous scheduler turns vLLM's
+asynchronous scheduling off (vllm#43724), costing throughput for nothing.
 
 Requests whose priority is at or past `BORROWD_BATCH_PRIORITY` (default 10, what the proxy
 injects for batch) are batch. In each step they get together at most
@@ -20,16 +25,24 @@ or closed record means zero batch tokens. The record is read off the scheduling 
 
 Environment: `BORROWD_POOL` (required), `BORROWD_REDIS_URL` (default
 redis://127.0.0.1:6379/0), `BORROWD_BATCH_PRIORITY` (10), `BORROWD_BUDGET_POLL_S` (1.0),
-`BORROWD_MIN_BATCH_TOKENS_PER_STEP` (16, the floor).
+`BORROWD_MIN_BATCH_TOKENS_PER_STEP` (16, the floor; never below one decode with all its
+speculative tokens), `BORROWD_POOL_ENGINES` (1).
 
-The cap is applied where vLLM decides each request's chunk, `_reserve_prefill_lookahead`
-(called once per request in both the RUNNING and the WAITING pass, just before KV
-allocation): returning 0 makes vLLM skip the request for this step and go on with the
-next, so the token budget a batch request does not get stays available to interactive ones.
+The cap is applied where vLLM decides each request's chunk, the private
+`_reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)` (vLLM 0.28 to
+0.34; called once per request in both the RUNNING and the WAITING pass, just before KV
+allocation). The plugin caps first and then lets vLLM reserve its prefill lookahead from
+what is left, so a capped chunk still never ends inside the lookahead window; a row set
+padded for speculative decoding is granted whole or not at all. Returning 0 makes vLLM skip
+the request for this step and go on with the next, so the token budget a batch request
+does not get stays available to interactive ones. Without the hook batch could not be
+capped at all, so importing this module on a vLLM that lacks it raises `ImportError` and
+vLLM refuses to start.
 """
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Callable
 from typing import Any
@@ -47,6 +60,28 @@ from adapters.engine_budget import (
     engine_share,
 )
 from models.budget import Budget
+
+HOOK = "_reserve_prefill_lookahead"
+HOOK_PARAMETERS = ("self", "request", "num_computed_tokens", "num_new_tokens")
+
+
+def check_vllm_hook(scheduler_cls: type) -> None:
+    """Raise ImportError unless `scheduler_cls` has the hook the plugin caps batch in."""
+    hook = getattr(scheduler_cls, HOOK, None)
+    parameters = tuple(inspect.signature(hook).parameters) if callable(hook) else ()
+    if parameters != HOOK_PARAMETERS:
+        import vllm
+
+        raise ImportError(
+            f"borrowd's engine plugin needs vLLM's {scheduler_cls.__name__}.{HOOK}"
+            f"{HOOK_PARAMETERS[1:]} (vLLM 0.28 to 0.34); vLLM {vllm.__version__} "
+            f"{'has another signature' if parameters else 'lacks it'}, so batch could not be "
+            "capped: refusing to load"
+        )
+
+
+check_vllm_hook(Scheduler)
+check_vllm_hook(AsyncScheduler)
 
 
 class BudgetEnforcement:
@@ -108,6 +143,8 @@ class BudgetEnforcement:
         self.batch_allowance = batch_tokens_per_step(
             self.budget, self.step_timer.recent_s, self.plugin_config.min_batch_tokens_per_step
         )
+        if self.batch_allowance > 0:  # room for one decode with all its speculative rows
+            self.batch_allowance = max(self.batch_allowance, 1 + self.num_spec_tokens)
         self.batch_seq_cap = batch_seq_cap(self.budget)
         self.batch_kv_cap = self.budget.max_batch_kv_tokens if self.budget is not None else 0
         self._granted = {}
@@ -129,18 +166,31 @@ class BudgetEnforcement:
     def _reserve_prefill_lookahead(
         self, request: Request, num_computed_tokens: int, num_new_tokens: int
     ) -> int:
+        """vLLM's chunk for `request` this step, batch capped first, then vLLM's lookahead."""
+        if num_new_tokens > 0 and self.is_batch(request):
+            num_new_tokens = self._batch_cap(request, num_computed_tokens, num_new_tokens)
+            if num_new_tokens == 0:
+                return 0
         num_new_tokens = super()._reserve_prefill_lookahead(
             request, num_computed_tokens, num_new_tokens
         )
-        if num_new_tokens <= 0 or not self.is_batch(request):
-            return num_new_tokens
-        granted = min(num_new_tokens, self._batch_tokens_left(request))
-        if granted > 0:
-            self._granted[request.request_id] = granted
+        if num_new_tokens > 0 and self.is_batch(request):
+            self._granted[request.request_id] = num_new_tokens
             if request.status != RequestStatus.RUNNING:
                 self._batch_admitted += 1
                 self._batch_kv_tokens += _kv_tokens(request)
-        return granted
+        return num_new_tokens
+
+    def _batch_cap(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> int:
+        """`num_new_tokens` cut to the batch tokens left this step. Rows beyond the request's
+        unscheduled tokens (speculative-decoding padding or drafts) go whole or not at all:
+        vLLM asserts a padded row set keeps its `1 + num_spec_tokens` rows."""
+        left = self._batch_tokens_left(request)
+        if num_new_tokens <= left:
+            return num_new_tokens
+        if num_new_tokens > request.num_tokens - num_computed_tokens:
+            return 0
+        return left
 
     def _batch_tokens_left(self, request: Request) -> int:
         """Batch tokens `request` may still get in this step (0: skip it this step).

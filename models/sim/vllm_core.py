@@ -12,6 +12,7 @@ is complete. Prefix caching is off, as in the native engine.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -98,18 +99,30 @@ def build_scheduler(
     config: EngineConfig,
     model_dir: Path | None = None,
     scheduler_cls: type | None = None,
+    *,
+    speculative_tokens: int = 0,
+    prefix_caching: bool = False,
     **scheduler_kwargs: Any,
 ) -> Any:
     """A vLLM V1 `Scheduler` (or `scheduler_cls`) configured like the native engine `config`.
 
     vLLM's block pool keeps one null block, so it gets `num_gpu_blocks + 1` blocks to leave
-    the same number usable. `scheduler_kwargs` go to the scheduler's constructor (the
-    plugin's budget source and clocks).
+    the same number usable. `speculative_tokens` > 0 turns on n-gram speculative decoding
+    (no draft model); `prefix_caching` vLLM's prefix cache. `scheduler_kwargs` go to the
+    scheduler's constructor (the plugin's budget source and clocks).
     """
     require_vllm()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
-    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        ModelConfig,
+        ParallelConfig,
+        SchedulerConfig,
+        SpeculativeConfig,
+        VllmConfig,
+    )
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
@@ -130,10 +143,19 @@ def build_scheduler(
         async_scheduling=False,
         scheduler_reserve_full_isl=config.admit_full_prompt,
     )
-    cache_config = CacheConfig(block_size=config.block_size, enable_prefix_caching=False)
+    cache_config = CacheConfig(block_size=config.block_size,
+                               enable_prefix_caching=prefix_caching)
+    speculative_config = None
+    if speculative_tokens > 0:
+        speculative_config = SpeculativeConfig(
+            method="ngram", num_speculative_tokens=speculative_tokens, prompt_lookup_min=1,
+            prompt_lookup_max=3, target_model_config=model_config,
+            target_parallel_config=ParallelConfig(),
+        )
     vllm_config = VllmConfig(
         model_config=model_config, scheduler_config=scheduler_config,
         cache_config=cache_config, device_config=DeviceConfig("cpu"),
+        speculative_config=speculative_config,
     )
     num_blocks = config.num_gpu_blocks + 1
     vllm_config.cache_config.num_gpu_blocks = num_blocks
@@ -171,7 +193,10 @@ def make_vllm_request(
 
 
 def model_runner_output(scheduler: Any, scheduler_output: Any) -> Any:
-    """The model's answer to one step: one token per request whose prefill is complete."""
+    """The model's answer to one step: one token per request whose prefill is complete.
+
+    vLLM 0.34 dropped `req_id_to_index` (0.33 requires it); it is passed only where it exists.
+    """
     from vllm.v1.outputs import ModelRunnerOutput
 
     ids = list(scheduler_output.num_scheduled_tokens)
@@ -180,10 +205,10 @@ def model_runner_output(scheduler: Any, scheduler_output: Any) -> Any:
         [_SAMPLED_TOKEN] if requests[rid].num_computed_tokens >= requests[rid].num_tokens else []
         for rid in ids
     ]
-    return ModelRunnerOutput(
-        req_ids=ids, req_id_to_index={rid: i for i, rid in enumerate(ids)},
-        sampled_token_ids=sampled,
-    )
+    index: dict[str, Any] = {}
+    if "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}:
+        index["req_id_to_index"] = {rid: i for i, rid in enumerate(ids)}
+    return ModelRunnerOutput(req_ids=ids, sampled_token_ids=sampled, **index)
 
 
 class VllmEngine:

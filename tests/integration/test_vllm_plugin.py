@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
 pytest.importorskip("vllm", reason="needs the optional vLLM extra (see .ci/run)")
 
+from adapters.engine_budget import PluginConfig, StaticBudgetSource
 from adapters.redis_conn import connect
 from adapters.store import BudgetStore
-from adapters.vllm_plugin import BorrowdAsyncScheduler, BorrowdScheduler
+from adapters.vllm_plugin import BorrowdAsyncScheduler, BorrowdScheduler, check_vllm_hook
 from models.budget import Budget, Mode
 from tests.support import vllm_harness as h
 from tests.support.servers import ServerProcess, wait_until
@@ -193,3 +198,93 @@ def test_vllm_resolves_the_scheduler_cls_option(name: str) -> None:
     config = SchedulerConfig(max_model_len=8192, is_encoder_decoder=False,
                              scheduler_cls=f"adapters.vllm_plugin.{name}")
     assert config.get_scheduler_cls() is getattr(adapters.vllm_plugin, name)
+
+
+def _static_plugin(cls: type, budget: Budget, floor_tokens: int, **config: Any) -> Any:
+    """A plugin on a fixed budget whose per-step batch allowance is `floor_tokens`."""
+    plugin_config = PluginConfig(pool=POOL, redis_url="redis://127.0.0.1:1/0",
+                                 min_batch_tokens_per_step=floor_tokens)
+    return h.scheduler(h.engine_config(), cls, budget_source=StaticBudgetSource(budget),
+                       plugin_config=plugin_config, step_clock=StepClock(), **config)
+
+
+@pytest.mark.parametrize("plugin_cls", [BorrowdScheduler, BorrowdAsyncScheduler],
+                         ids=["borrowd-scheduler", "borrowd-async-scheduler"])
+def test_padded_spec_decode_rows_are_never_trimmed(plugin_cls: type) -> None:
+    """With n-gram speculative decoding (3 tokens) and prefix caching, a batch request whose
+    prompt is all cached is padded to 1 + 3 rows; with 3 batch tokens left the plugin must
+    skip it, not trim it (vLLM asserts `num_new_tokens == 1 + num_spec_tokens`), and run it
+    whole once 4 are free (the allowance always holds one decode with its drafts)."""
+    sched = _static_plugin(plugin_cls, _budget(1.0), floor_tokens=3, speculative_tokens=3,
+                           prefix_caching=True)
+    h.add_cacheable(sched, "i0", 64, 2)  # fills the prefix cache
+    while "i0" in sched.requests:
+        h.step(sched)
+    h.add_cacheable(sched, "b1", 20, 20, priority=h.BATCH_PRIORITY)
+    while sched.requests["b1"].num_output_tokens == 0:
+        h.step(sched)
+    h.add_cacheable(sched, "b2", 49, 4, priority=h.BATCH_PRIORITY)  # 48 cached: padded
+    scheduled = [h.step(sched) for _ in range(60)]
+    assert all(_batch_tokens(s) <= 4 for s in scheduled)
+    assert not any("b1" in s and "b2" in s for s in scheduled)
+    assert next(s["b2"] for s in scheduled if "b2" in s) == 4
+
+
+def test_cap_leaves_vllm_its_prefill_lookahead() -> None:
+    """The plugin caps a batch prefill first and vLLM then keeps its prefill lookahead
+    (4 tokens here): a 100-token prompt under a 98-token allowance runs 96, leaving 4."""
+    sched = _static_plugin(BorrowdScheduler, _budget(1.0), floor_tokens=98)
+    sched.num_prefill_lookahead = 4  # a multi-module MTP drafter's lookahead
+    h.add(sched, "b0", 100, 4, priority=h.BATCH_PRIORITY)
+    assert h.step(sched) == {"b0": 96}
+    assert h.step(sched) == {"b0": 4}
+
+
+class _OldScheduler:
+    """A vLLM scheduler from before 0.28: no prefill-lookahead hook."""
+
+
+class _OtherHookScheduler:
+    """A scheduler whose hook takes other arguments."""
+
+    def _reserve_prefill_lookahead(self, request: Any) -> int:
+        return 0
+
+
+@pytest.mark.parametrize(("cls", "message"),
+                         [(_OldScheduler, "lacks it"), (_OtherHookScheduler, "another signature")],
+                         ids=["no-hook", "other-signature"])
+def test_hook_check_refuses_a_vllm_without_it(cls: type, message: str) -> None:
+    """The plugin names the hook it needs and why it refuses to load without it."""
+    with pytest.raises(ImportError, match=f"_reserve_prefill_lookahead.*{message}"):
+        check_vllm_hook(cls)
+
+
+def test_plugin_import_fails_on_a_vllm_without_the_hook() -> None:
+    """Importing the plugin where vLLM's Scheduler lacks the hook fails (vLLM will not start),
+    instead of running with batch silently uncapped."""
+    code = ("from vllm.v1.core.sched.scheduler import Scheduler\n"
+            "del Scheduler._reserve_prefill_lookahead\n"
+            "import adapters.vllm_plugin\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120, check=False, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode != 0
+    assert "ImportError: borrowd's engine plugin needs vLLM's Scheduler" in result.stderr
+
+
+@pytest.mark.parametrize("plugin_cls", [BorrowdScheduler, BorrowdAsyncScheduler],
+                         ids=["borrowd-scheduler", "borrowd-async-scheduler"])
+def test_mixed_load_with_speculative_decoding_and_prefix_caching(plugin_cls: type) -> None:
+    """Interactive and batch requests sharing cached prefixes, 3 drafted tokens per decode:
+    vLLM never asserts, batch stays within its allowance, and everything finishes."""
+    sched = _static_plugin(plugin_cls, _budget(1.0), floor_tokens=24, speculative_tokens=3,
+                           prefix_caching=True)
+    for k in range(6):
+        h.add_cacheable(sched, f"i{k}", 40 + 37 * k, 12)
+        h.add_cacheable(sched, f"b{k}", 33 + 16 * k, 10, priority=h.BATCH_PRIORITY)
+    steps = 0
+    while sched.requests and steps < 400:
+        scheduled = h.step(sched, drafts=3)
+        assert _batch_tokens(scheduled) <= 24
+        steps += 1
+    assert not sched.requests

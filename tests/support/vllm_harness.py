@@ -27,6 +27,7 @@ from models.sim.vllm_core import (
 
 INTERACTIVE_PRIORITY = 0
 BATCH_PRIORITY = 10
+CACHED_TOKEN = 7  # the one token id of `add_cacheable` prompts (and of sampled tokens)
 
 
 def model_dir() -> Path:
@@ -53,10 +54,39 @@ def add(sched: Any, request_id: str, prompt_tokens: int, max_output_tokens: int,
                                         arrival_s, priority))
 
 
-def step(sched: Any) -> dict[str, int]:
-    """One vLLM step (schedule, then the model's answer); the tokens scheduled per request."""
+def add_cacheable(sched: Any, request_id: str, prompt_tokens: int, max_output_tokens: int,
+                  priority: int = INTERACTIVE_PRIORITY) -> None:
+    """Queue a request whose prompt blocks are hashed, so vLLM's prefix cache can serve them
+    (every prompt is one repeated token, so prompts share their leading blocks)."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request as VllmRequest
+
+    init_none_hash(sha256)
+    sched.add_request(VllmRequest(
+        request_id, [CACHED_TOKEN] * prompt_tokens,
+        SamplingParams(max_tokens=max_output_tokens, ignore_eos=True), None,
+        arrival_time=0.0, priority=priority,
+        block_hasher=get_request_block_hasher(sched.block_size, sha256),
+    ))
+
+
+def step(sched: Any, drafts: int = 0) -> dict[str, int]:
+    """One vLLM step (schedule, then the model's answer); the tokens scheduled per request.
+
+    `drafts` > 0: the drafter proposes that many tokens for every request past its prefill,
+    as an n-gram drafter on a repetitive prompt would (the verifier then rejects them all).
+    """
     out = sched.schedule()
     sched.update_from_output(out, model_runner_output(sched, out))
+    if drafts > 0:
+        from vllm.v1.outputs import DraftTokenIds
+
+        decoding = [rid for rid, req in sched.requests.items()
+                    if req.num_output_tokens > 0 and not req.is_finished()]
+        sched.update_draft_token_ids(
+            DraftTokenIds(decoding, [[CACHED_TOKEN] * drafts for _ in decoding]))
     return dict(out.num_scheduled_tokens)
 
 
