@@ -144,6 +144,7 @@ def batch_stack(workdir: Path, *, replicas: int = 1, time_scale: float = 0.1,
                 worker_overrides: dict[str, Any] | None = None) -> Iterator[BatchStack]:
     """Start the stack; `tenants` maps a name to (API key, weight)."""
     tenants = tenants or {"etl": ("sk-etl", 1.0)}
+    workdir.mkdir(parents=True, exist_ok=True)
     cli = borrowd_command()
     started: list[ServerProcess] = []
     try:
