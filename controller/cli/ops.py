@@ -16,9 +16,11 @@ import redis
 
 from adapters import gate_http
 from adapters.gate import BATCH_PRIORITY, DEFAULT_LEASE_MS, Gate
+from adapters.pool_registry import PoolRegistry
 from adapters.redis_conn import connect, redact_url, resolve_redis_url
 from adapters.store import BudgetStore, PoolKeys
-from models.errors import BorrowdError, InputError
+from models.config_loader import load_toml
+from models.errors import BorrowdError, ConfigError, InputError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -26,32 +28,44 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     stop = subparsers.add_parser(
         "stop", help="stop batch borrowing in a pool now (outranks the controller)")
     _common(stop)
+    _force(stop)
     stop.add_argument("--reason", required=True, help="why (kept with the stop switch)")
     stop.set_defaults(func=cmd_stop)
 
     resume = subparsers.add_parser("resume", help="clear a pool's stop switch")
     _common(resume)
+    _force(resume)
     resume.set_defaults(func=cmd_resume)
 
     status = subparsers.add_parser(
         "status", help="show a pool's budget record, stop switch and batch work in flight")
     _common(status)
+    _force(status)
     status.add_argument("--json", action="store_true", help="print one JSON object")
     status.set_defaults(func=cmd_status)
 
     gate = subparsers.add_parser(
-        "gate", help="serve batch admission over HTTP (nginx auth_request, Envoy, routers)")
-    _common(gate)
-    gate.add_argument("--listen", default="127.0.0.1:8089", metavar="HOST:PORT",
-                      help="address to serve on (default 127.0.0.1:8089)")
-    gate.add_argument("--lease-ms", type=int, default=DEFAULT_LEASE_MS,
+        "gate", help="serve batch admission over HTTP (nginx auth_request, Envoy, routers)",
+        description="Serve batch admission over HTTP. Settings come from --config (a [gate] "
+        "table) and the flags, flags winning; callers authenticate with a shared secret "
+        f"([[gate.callers]] or ${gate_http.SECRET_ENV}); without one the gate serves only on "
+        "loopback.")
+    gate.add_argument("--config", metavar="FILE", help="gate config (TOML, a [gate] table)")
+    gate.add_argument("--pool", action="append", metavar="NAME",
+                      help="pool served (repeat for several; the first is the default)")
+    gate.add_argument("--redis", default=None, metavar="URL",
+                      help="Redis URL (default: $BORROWD_REDIS_URL, then "
+                           "redis://127.0.0.1:6379/0)")
+    gate.add_argument("--listen", metavar="HOST:PORT",
+                      help=f"address to serve on (default {gate_http.DEFAULT_LISTEN})")
+    gate.add_argument("--lease-ms", type=int,
                       help=f"admission lease in ms unless renewed (default {DEFAULT_LEASE_MS})")
-    gate.add_argument("--batch-priority", type=int, default=BATCH_PRIORITY,
+    gate.add_argument("--batch-priority", type=int,
                       help="vLLM priority injected for batch (lower is served first; "
                            f"default {BATCH_PRIORITY})")
     gate.add_argument("--decision-timeout-s", type=float,
-                      default=gate_http.DEFAULT_DECISION_TIMEOUT_S,
-                      help="longest wait on Redis before batch is denied, in seconds")
+                      help="longest wait on Redis before batch is denied, in seconds "
+                           f"(default {gate_http.DEFAULT_DECISION_TIMEOUT_S})")
     gate.set_defaults(func=cmd_gate)
 
 
@@ -60,6 +74,22 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis", default=None, metavar="URL",
                         help="Redis URL (default: $BORROWD_REDIS_URL, then "
                              "redis://127.0.0.1:6379/0)")
+
+
+def _force(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--force", action="store_true",
+                        help="act on a pool no daemon has registered (else refused, exit 2)")
+
+
+def require_known_pool(client: redis.Redis, pool: str, force: bool) -> None:
+    """Raise `BorrowdError` naming the known pools unless `pool` is registered or `force`."""
+    PoolKeys(pool)  # a malformed name is an InputError of its own
+    registry = PoolRegistry(client)
+    if force or registry.exists(pool):
+        return
+    known = ", ".join(sorted(registry.known())) or "none"
+    raise BorrowdError(f"pool {pool!r} is not known: no daemon has registered or led it "
+                       f"(known pools: {known}); --force acts on it anyway")
 
 
 @contextlib.contextmanager
@@ -74,7 +104,9 @@ def cmd_stop(args: argparse.Namespace) -> int:
     """Set the stop switch and write a stopped record at once."""
     url = resolve_redis_url(args.redis)
     with _redis_errors(url):
-        record = BudgetStore(connect(url), args.pool).stop(args.reason)
+        client = connect(url)
+        require_known_pool(client, args.pool, args.force)
+        record = BudgetStore(client, args.pool).stop(args.reason)
     print(f"pool {args.pool}: stopped (epoch {record.epoch}, seq {record.seq}): {args.reason}")
     return 0
 
@@ -83,7 +115,9 @@ def cmd_resume(args: argparse.Namespace) -> int:
     """Clear the stop switch."""
     url = resolve_redis_url(args.redis)
     with _redis_errors(url):
-        was_set = BudgetStore(connect(url), args.pool).resume()
+        client = connect(url)
+        require_known_pool(client, args.pool, args.force)
+        was_set = BudgetStore(client, args.pool).resume()
     state = "resumed; the controller's next record takes over" if was_set else "was not stopped"
     print(f"pool {args.pool}: {state}")
     return 0
@@ -130,7 +164,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     """Print the pool's record, its age, mode, epoch, seq, stop switch and in-flight work."""
     url = resolve_redis_url(args.redis)
     with _redis_errors(url):
-        status = pool_status(connect(url), args.pool, time.time())
+        client = connect(url)
+        require_known_pool(client, args.pool, args.force)
+        status = pool_status(client, args.pool, time.time())
     if args.json:
         print(json.dumps(status, sort_keys=True))
         return 0
@@ -168,18 +204,34 @@ def _listen(text: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def gate_settings(args: argparse.Namespace) -> gate_http.GateServiceConfig:
+    """The gate's config: the --config file's [gate] table with the flags given on top."""
+    if args.listen is not None:
+        _listen(args.listen)
+    if args.lease_ms is not None and args.lease_ms <= 0:
+        raise InputError(f"--lease-ms must be > 0, got {args.lease_ms}")
+    if args.decision_timeout_s is not None and not args.decision_timeout_s > 0:
+        raise InputError(f"--decision-timeout-s must be > 0, got {args.decision_timeout_s}")
+    for pool in args.pool or ():
+        PoolKeys(pool)  # raises InputError naming a bad pool name before serving
+    data = load_toml(args.config, "gate config") if args.config else {}
+    table = data.get("gate", {})
+    if not isinstance(table, dict):
+        raise InputError(f"gate config {args.config}: gate: must be a table")
+    flags = {"pools": args.pool, "listen": args.listen, "redis_url": args.redis,
+             "lease_ms": args.lease_ms, "batch_priority": args.batch_priority,
+             "decision_timeout_s": args.decision_timeout_s}
+    table = {**table, **{key: value for key, value in flags.items() if value is not None}}
+    if "pools" not in table:
+        raise InputError("--pool is required (or pools in the --config file's [gate] table)")
+    try:
+        return gate_http.gate_config({**data, "gate": table})
+    except ConfigError as exc:
+        where = f"gate config {args.config}: " if args.config else ""
+        raise ConfigError(f"{where}{exc}") from None
+
+
 def cmd_gate(args: argparse.Namespace) -> int:
     """Serve batch admission over HTTP until SIGTERM."""
-    host, port = _listen(args.listen)
-    if args.lease_ms <= 0:
-        raise InputError(f"--lease-ms must be > 0, got {args.lease_ms}")
-    if args.decision_timeout_s <= 0:
-        raise InputError(f"--decision-timeout-s must be > 0, got {args.decision_timeout_s}")
-    PoolKeys(args.pool)  # raises InputError naming a bad pool name before serving
-    config = gate_http.GateServiceConfig(
-        redis_url=resolve_redis_url(args.redis), default_pool=args.pool,
-        lease_ms=args.lease_ms, batch_priority=args.batch_priority,
-        decision_timeout_s=args.decision_timeout_s,
-    )
-    gate_http.run(config, host, port)
+    gate_http.run(gate_settings(args))
     return 0

@@ -9,8 +9,9 @@ import time
 import pytest
 
 from adapters.gate import Gate
+from adapters.pool_registry import PoolRegistry
 from adapters.redis_conn import connect
-from adapters.store import BudgetStore
+from adapters.store import BudgetStore, LeaderElection
 from controller.cli import main, ops
 from models.budget import Budget, Mode
 from models.errors import BorrowdError, InputError
@@ -28,6 +29,7 @@ def _run(argv: list[str]) -> int:
 
 def _publish(url: str) -> None:
     client = connect(url)
+    PoolRegistry(client).register([POOL], "daemon-a", time.time())
     BudgetStore(client, POOL).publish(
         Budget(pool=POOL, mode=Mode.OPEN, reason="law", batch_tokens_per_s=100.0,
                batch_burst_tokens=1000, max_batch_seqs=4, max_batch_kv_tokens=1000,
@@ -94,3 +96,45 @@ def test_borrowd_main_prints_one_line_and_exits_2(capsys) -> None:
     err = capsys.readouterr().err
     assert err.count("\n") == 1
     assert err.startswith(f"borrowd: error: Redis at {url}")
+
+
+@pytest.mark.parametrize("command", [["stop", "--reason", "typo"], ["resume"], ["status"]],
+                         ids=["stop", "resume", "status"])
+def test_unknown_pool_is_refused_naming_the_known_ones(redis_url, capsys, command) -> None:
+    """A pool no daemon registered is refused (exit 2, the known pools named), and nothing
+    is written for it."""
+    _publish(redis_url)
+    PoolRegistry(connect(redis_url)).register(["embed"], "daemon-b", time.time())
+    LeaderElection(connect(redis_url), "led", "daemon-c", 1000).try_acquire()
+    assert main([command[0], "--pool", "chat-8b", *command[1:], "--redis", redis_url]) == 2
+    err = capsys.readouterr().err
+    assert err == ("borrowd: error: pool 'chat-8b' is not known: no daemon has registered or "
+                   f"led it (known pools: embed, led, {POOL}); --force acts on it anyway\n")
+    assert connect(redis_url).keys("borrowd:{chat-8b}:*") == []
+
+
+def test_force_acts_on_an_unregistered_pool(redis_url, capsys) -> None:
+    """--force stops a pool no daemon registered (e.g. before its daemon first starts)."""
+    assert _run(["stop", "--pool", "new", "--reason", "pre-launch", "--force",
+                 "--redis", redis_url]) == 0
+    assert "pool new: stopped" in capsys.readouterr().out
+    assert BudgetStore(connect(redis_url), "new").stop_reason() == "pre-launch"
+
+
+def test_pool_with_a_leader_history_counts_as_known(redis_url, capsys) -> None:
+    """A pool whose epoch counter exists (a leader was elected) is known without registry."""
+    client = connect(redis_url)
+    client.set("borrowd:{old}:epoch", 4)
+    assert _run(["status", "--pool", "old", "--redis", redis_url, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["epoch_counter"] == 4
+
+
+def test_registry_round_trip(redis_url) -> None:
+    """register() records holder and time per pool; known() reads them back."""
+    registry = PoolRegistry(connect(redis_url))
+    registry.register(["a", "b"], "ctl-1", 1000.0)
+    registry.register(["b"], "ctl-2", 2000.0)
+    known = registry.known()
+    assert sorted(known) == ["a", "b"]
+    assert (known["b"].holder_id, known["b"].registered_at_s) == ("ctl-2", 2000.0)
+    assert registry.exists("a") and not registry.exists("c")
