@@ -30,6 +30,7 @@ import contextlib
 import json
 import logging
 import math
+import resource
 import time
 import uuid
 from collections.abc import Callable
@@ -200,6 +201,7 @@ class ProxyServer:
         self.counter = PromptCounter(count_text, config.media_part_tokens)
         self.client: UpstreamClient | None = None
         self.open_connections: Callable[[], int] = lambda: 0
+        self.max_connections = config.max_connections
         self.stopping = False
         self._background: list[asyncio.Task] = []
         self._stopped = asyncio.Event()
@@ -351,7 +353,7 @@ class ProxyServer:
             _error(out, 503, "the proxy is shutting down", "service_unavailable",
                    retry_after_s=cfg.admission.unavailable_retry_after_s, close=True)
             return
-        batch_room = cfg.max_connections - cfg.interactive_reserved_connections
+        batch_room = self.max_connections - cfg.interactive_reserved_connections
         if self.open_connections() > batch_room:
             self.metrics.finished(BATCH, "rejected", 0, 0)
             _error(out, 503, f"batch requests may hold at most {batch_room} connections (the "
@@ -664,6 +666,23 @@ def _error(out: Responder, status: int, message: str, kind: str, *,
                 headers=all_headers)
 
 
+FD_HEADROOM = 64
+"""File descriptors kept for Redis, logs, the listening socket and the like."""
+
+
+def connection_cap(configured: int) -> int:
+    """`configured`, lowered to what the open-file limit allows: each client connection may
+    hold an upstream connection too, so two descriptors each."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return configured
+    allowed = max(2, (soft - FD_HEADROOM) // 2)
+    if configured > allowed:
+        log.warning("proxy.max_connections %d lowered to %d: the open-file limit is %d",
+                    configured, allowed, soft)
+    return min(configured, allowed)
+
+
 @dataclass(frozen=True)
 class ProxyRunner:
     """A running proxy: its listening server and its state; `cleanup()` stops both."""
@@ -690,7 +709,7 @@ async def serve(server: ProxyServer, host: str, port: int,
     limits = ServerLimits(max_header_bytes=cfg.max_header_bytes, max_headers=cfg.max_headers,
                           header_timeout_s=cfg.header_timeout_s,
                           body_timeout_s=cfg.body_timeout_s, idle_timeout_s=cfg.idle_timeout_s,
-                          max_connections=cfg.max_connections)
+                          max_connections=connection_cap(cfg.max_connections))
     http = HttpServer(server.handle, cfg.max_body_bytes, limits)
     try:
         await http.start(host, port)
@@ -698,5 +717,6 @@ async def serve(server: ProxyServer, host: str, port: int,
         await server.stop()
         raise
     server.open_connections = lambda: len(http.connections)
+    server.max_connections = limits.max_connections
     timeout_s = cfg.shutdown_timeout_s if shutdown_timeout_s is None else shutdown_timeout_s
     return ProxyRunner(http, server, timeout_s)

@@ -229,3 +229,36 @@ async def test_sigterm_ends_batch_resumably(redis_proc: ServerProcess, tmp_path:
     assert choice["message"]["content"]
     partial = default_body["error"]["borrowd_partial"]
     assert partial["usage"]["completion_tokens"] > 0
+
+
+async def test_idle_connections_cannot_starve_interactive_at_a_low_fd_limit(
+        redis_proc: ServerProcess, tmp_path: Path) -> None:
+    """A real `borrowd proxy` under a 256 open-file limit, held by 300 idle connections:
+    the next interactive request is still served (idle connections make room)."""
+    cli = borrowd_command()
+    emulator_port, proxy_port = free_port(), free_port()
+    emulator = start_process("emulator", [cli, "emulate", "--listen",
+                                          f"127.0.0.1:{emulator_port}"], emulator_port)
+    config = tmp_path / "proxy.toml"
+    config.write_text(
+        f'[proxy]\nlisten_port = {proxy_port}\npool = "{POOL}"\n'
+        f'upstreams = ["http://127.0.0.1:{emulator_port}"]\n'
+        f'redis_url = "{redis_proc.extra["url"]}"\n'
+        f'[tenants.chat]\nkeys = ["{CHAT_KEY}"]\nclass = "interactive"\n')
+
+    proxy = start_process("proxy", ["sh", "-c", 'ulimit -n 256 && exec "$0" "$@"', cli,
+                                    "proxy", "--config", str(config)], proxy_port)
+    idle = []
+    try:
+        for _ in range(300):
+            idle.append(await asyncio.open_connection("127.0.0.1", proxy_port))
+        await asyncio.sleep(0.2)
+        async with aiohttp.ClientSession() as session, session.post(
+                f"http://127.0.0.1:{proxy_port}/v1/chat/completions", json=_chat(4, False),
+                headers=_headers(CHAT_KEY), timeout=aiohttp.ClientTimeout(total=10)) as resp:
+            assert resp.status == 200
+    finally:
+        for _reader, writer in idle:
+            writer.close()
+        proxy.stop()
+        emulator.stop()
