@@ -162,6 +162,36 @@ async def test_batch_is_charged_its_counted_prompt(redis_proc: ServerProcess) ->
             assert (await many.json())["error"]["param"] == "prompt"
 
 
+async def test_release_trues_the_charge_up_to_the_engines_usage(redis_proc: ServerProcess
+                                                               ) -> None:
+    """The proxy charges its own (byte) count of a prompt at admission; once the engine has
+    reported its prompt and output tokens, the release leaves the bucket charged exactly
+    those."""
+    url = redis_proc.extra["url"]
+    burst = 100_000
+    _publish(url, batch_tokens_per_s=0.001, batch_burst_tokens=burst)
+    async with _stack(url, _config("")) as proxy_url, aiohttp.ClientSession() as session:
+        # Charged 4 + 4 ("user") + 100 bytes = 108; the emulator reports the claimed 20.
+        async with session.post(proxy_url + "/v1/chat/completions",
+                                json=_chat(200, False, "x" * 100, borrowd_prompt_tokens=20),
+                                headers=_headers(BATCH_KEY)) as resp:
+            assert resp.status == 200
+            usage = (await resp.json())["usage"]
+        assert (usage["prompt_tokens"], usage["completion_tokens"]) == (20, 200)
+        client = connect_async(url)
+        gate = AsyncGate(client, POOL)
+        try:
+            for _ in range(50):
+                inflight = await gate.inflight()
+                if inflight.seqs == 0:
+                    break
+                await asyncio.sleep(0.05)
+        finally:
+            await client.aclose()
+    assert inflight.seqs == 0 and inflight.bucket_tokens is not None
+    assert abs(burst - inflight.bucket_tokens - (20 + 200)) < 1.0
+
+
 async def test_connections_are_kept_for_interactive(redis_proc: ServerProcess) -> None:
     """Past max_connections minus the interactive reserve, batch gets 503 + Retry-After
     while interactive is still served."""
