@@ -378,7 +378,8 @@ class ProxyServer:
         if not decision.admitted:
             self.metrics.finished(BATCH, decision.outcome, 0, 0)
             kind = "rate_limit_exceeded" if decision.status == 429 else "service_unavailable"
-            _error(out, decision.status, f"batch request not admitted: {decision.reason}",
+            _error(out, decision.status,
+                   f"batch request not admitted in pool {cfg.pool!r}: {decision.reason}",
                    kind, retry_after_s=decision.retry_after_s)
             return
         ex.requested_max_tokens = requested
