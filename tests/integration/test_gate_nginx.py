@@ -1,4 +1,6 @@
-"""`borrowd gate` behind a real nginx (`auth_request`) with a real redis-server it can lose."""
+"""`borrowd gate` behind a real nginx with the shipped snippet (deploy/nginx/), with a real
+redis-server it can lose, and a gate it can lose: stopped or frozen, interactive requests
+pass untouched (they never consult the gate) and batch is refused quickly (fail closed)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -30,48 +33,35 @@ pytestmark = pytest.mark.integration
 POOL = "chat-8b"
 LEASE_MS = 2000
 TTL_MS = 1500
+SECRET = "nginx-test-secret-0123456789"
+SNIPPETS = Path(__file__).resolve().parents[2] / "deploy" / "nginx"
+# The auth location's connect + read timeouts in the shipped snippet, plus slack.
+GATE_WAIT_LIMIT_S = 1.2 + 0.5
+# What the fake upstream answers: the path and the headers the router injected.
+ECHO = "$uri priority=$http_x_borrowd_priority max_tokens=$http_x_borrowd_max_tokens"
 
 
-def _nginx_blocks(port: int, gate_port: int, upstream_port: int) -> str:
+def _nginx_blocks(workdir: Path, port: int, gate_port: int, upstream_port: int) -> str:
+    """The shipped snippets with the test's ports and secret, around an echoing upstream."""
+    http_conf = (SNIPPETS / "borrowd-http.conf").read_text()
+    locations = (SNIPPETS / "borrowd-locations.conf").read_text()
+    assert "127.0.0.1:8089" in http_conf and "change-me-to-the-gate-secret" in locations
+    (workdir / "borrowd-http.conf").write_text(
+        http_conf.replace("127.0.0.1:8089", f"127.0.0.1:{gate_port}"))
+    (workdir / "borrowd-locations.conf").write_text(
+        locations.replace("change-me-to-the-gate-secret", SECRET))
     return f"""
-    map $http_authorization $borrowd_class {{
-        "Bearer chat-key" interactive;
-        default batch;
-    }}
+    include {workdir}/borrowd-http.conf;
+    upstream vllm {{ server 127.0.0.1:{upstream_port}; }}
     server {{
         listen 127.0.0.1:{upstream_port};
         location / {{
-            return 200 "priority=$http_x_borrowd_priority max_tokens=$http_x_borrowd_max_tokens\\n";
+            return 200 "{ECHO}\\n";
         }}
     }}
     server {{
         listen 127.0.0.1:{port};
-        location = /_borrowd_auth {{
-            internal;
-            proxy_pass http://127.0.0.1:{gate_port}/auth;
-            proxy_pass_request_body off;
-            proxy_set_header Content-Length "";
-            proxy_set_header X-Borrowd-Class $borrowd_class;
-            proxy_set_header X-Borrowd-Request-Id $http_x_request_id;
-            proxy_set_header X-Borrowd-Prompt-Tokens $http_x_prompt_tokens;
-            proxy_set_header X-Borrowd-Max-Tokens $http_x_max_tokens;
-        }}
-        location @borrowd_denied {{
-            add_header Retry-After $borrowd_retry_after always;
-            add_header X-Borrowd-Reason $borrowd_reason always;
-            return 429 "batch denied: $borrowd_reason\\n";
-        }}
-        location /v1/ {{
-            auth_request /_borrowd_auth;
-            auth_request_set $borrowd_priority $upstream_http_x_borrowd_priority;
-            auth_request_set $borrowd_max_tokens $upstream_http_x_borrowd_max_tokens;
-            auth_request_set $borrowd_retry_after $upstream_http_retry_after;
-            auth_request_set $borrowd_reason $upstream_http_x_borrowd_reason;
-            error_page 403 = @borrowd_denied;
-            proxy_set_header X-Borrowd-Priority $borrowd_priority;
-            proxy_set_header X-Borrowd-Max-Tokens $borrowd_max_tokens;
-            proxy_pass http://127.0.0.1:{upstream_port};
-        }}
+        include {workdir}/borrowd-locations.conf;
     }}
 """
 
@@ -89,19 +79,10 @@ class Stack:
         req = urllib.request.Request(f"http://127.0.0.1:{self.nginx.port}/v1/completions",
                                      data=b"{}", headers=headers, method="POST")
         try:
-            with urllib.request.urlopen(req, timeout=5) as resp:
+            with urllib.request.urlopen(req, timeout=10) as resp:
                 return resp.status, dict(resp.headers), resp.read().decode()
         except urllib.error.HTTPError as err:
             return err.code, dict(err.headers), err.read().decode()
-
-    def release(self, request_id: str, output_tokens: int) -> bytes:
-        """POST /release to the gate."""
-        req = urllib.request.Request(
-            f"http://127.0.0.1:{self.gate.port}/release", method="POST", data=b"",
-            headers={"X-Borrowd-Request-Id": request_id,
-                     "X-Borrowd-Output-Tokens": str(output_tokens)})
-        with urllib.request.urlopen(req, timeout=5) as resp:
-            return resp.read()
 
 
 def _publish(url: str, ttl_ms: int = TTL_MS, **overrides) -> Budget:
@@ -139,10 +120,11 @@ def stack() -> Iterator[Stack]:
             [borrowd, "gate", "--listen", f"127.0.0.1:{gate_port}", "--pool", POOL,
              "--redis", redis_proc.extra["url"], "--lease-ms", str(LEASE_MS),
              "--decision-timeout-s", "0.3"],
-            gate_port, ready=lambda: _healthy(gate_port))
+            gate_port, ready=lambda: _healthy(gate_port),
+            env={**os.environ, "BORROWD_GATE_SECRET": SECRET})
         started.append(gate)
         port = free_port()
-        nginx = start_nginx(_nginx_blocks(port, gate_port, free_port()), port)
+        nginx = start_nginx(_nginx_blocks(gate.workdir, port, gate_port, free_port()), port)
         started.append(nginx)
         yield Stack(redis_proc, gate, nginx)
     finally:
@@ -150,63 +132,109 @@ def stack() -> Iterator[Stack]:
             server.stop()
 
 
-def _batch(request_id: str, prompt: int = 100, max_tokens: int = 1000) -> dict[str, str]:
-    return {"Authorization": "Bearer batch-key", "X-Request-Id": request_id,
-            "X-Prompt-Tokens": str(prompt), "X-Max-Tokens": str(max_tokens)}
+def _batch(prompt: int = 100, max_tokens: int = 1000) -> dict[str, str]:
+    return {"Authorization": "Bearer batch-key", "X-Prompt-Tokens": str(prompt),
+            "X-Max-Tokens": str(max_tokens)}
 
 
-CHAT = {"Authorization": "Bearer chat-key", "X-Max-Tokens": "512"}
+CHAT = {"Authorization": "Bearer chat-key", "X-Max-Tokens": "512", "X-Borrowd-Priority": "-5"}
 
 
 def test_nginx_admits_injects_and_denies_with_retry_after(stack: Stack) -> None:
     """Admitted batch reaches the upstream with priority and clamped max tokens; a full pool
-    gives the client 429 + Retry-After; a client cannot promote itself to interactive."""
+    gives the client 429 + Retry-After; a client cannot promote itself to interactive nor
+    choose its priority; interactive goes straight to the upstream."""
     _publish(stack.redis.extra["url"], ttl_ms=60_000)
-    status, _, body = stack.request(_batch("b1"))
-    assert (status, body.strip()) == (200, "priority=10 max_tokens=256")
-    assert stack.request(_batch("b2"))[0] == 200
-    status, headers, body = stack.request(_batch("b3"))
+    status, _, body = stack.request(_batch())
+    assert (status, body.strip()) == (200, "/v1/completions priority=10 max_tokens=256")
+    assert stack.request(_batch())[0] == 200
+    status, headers, body = stack.request(_batch())
     assert status == 429
     assert headers["Retry-After"] == "1"
     assert headers["X-Borrowd-Reason"] == "seq_cap"
-    spoof = {**_batch("b4"), "X-Borrowd-Class": "interactive"}
+    spoof = {**_batch(), "X-Borrowd-Class": "interactive", "X-Borrowd-Priority": "0"}
     assert stack.request(spoof)[0] == 429
     status, _, body = stack.request(CHAT)
-    assert (status, body.strip()) == (200, "priority=0 max_tokens=512")
-    assert b'"released": true' in stack.release("b1", 10)
-    assert stack.request(_batch("b3"))[0] == 200
+    assert (status, body.strip()) == (200, "/v1/completions priority=0 max_tokens=")
 
 
 def test_redis_loss_fails_closed_then_recovers(stack: Stack) -> None:
     """Redis killed: batch is denied at once (429, reason redis_unavailable) while chat passes;
     Redis back with a fresh record: batch is admitted again."""
     _publish(stack.redis.extra["url"])
-    assert stack.request(_batch("before"))[0] == 200
+    assert stack.request(_batch())[0] == 200
     port = stack.redis.port
     stack.redis.kill()
     start = time.monotonic()
-    status, headers, _ = stack.request(_batch("during"))
+    status, headers, _ = stack.request(_batch())
     assert time.monotonic() - start < LEASE_MS / 1000
     assert (status, headers["X-Borrowd-Reason"]) == (429, "redis_unavailable")
     assert stack.request(CHAT)[0] == 200
     stack.redis = start_redis(port=port)
-    assert stack.request(_batch("after-restart"))[2].strip() == "batch denied: no_budget"
+    assert stack.request(_batch())[2].strip() == "batch denied: no_budget"
     _publish(stack.redis.extra["url"])
-    wait_until(lambda: stack.request(_batch("after"))[0] == 200, 5.0, "batch admitted again")
+    wait_until(lambda: stack.request(_batch())[0] == 200, 5.0, "batch admitted again")
 
 
 def test_frozen_redis_never_hangs_the_router(stack: Stack) -> None:
     """Redis frozen (SIGSTOP: connections open, no replies): batch is denied within the
     decision timeout, chat passes; thawed (SIGCONT): batch is admitted again."""
     _publish(stack.redis.extra["url"], ttl_ms=60_000)
-    assert stack.request(_batch("before"))[0] == 200
+    assert stack.request(_batch())[0] == 200
     os.kill(stack.redis.pid, signal.SIGSTOP)
     try:
         start = time.monotonic()
-        status, headers, _ = stack.request(_batch("frozen"))
+        status, headers, _ = stack.request(_batch())
         assert time.monotonic() - start < 1.5
         assert (status, headers["X-Borrowd-Reason"]) == (429, "redis_unavailable")
         assert stack.request(CHAT)[0] == 200
     finally:
         os.kill(stack.redis.pid, signal.SIGCONT)
-    wait_until(lambda: stack.request(_batch("thawed"))[0] == 200, 5.0, "batch admitted again")
+    wait_until(lambda: stack.request(_batch())[0] == 200, 5.0, "batch admitted again")
+
+
+def _timed(stack: Stack, headers: dict[str, str]) -> tuple[int, dict[str, str], float]:
+    start = time.monotonic()
+    status, reply_headers, _ = stack.request(headers)
+    return status, reply_headers, time.monotonic() - start
+
+
+@pytest.mark.parametrize("fault", ["stopped", "frozen"])
+def test_a_lost_gate_never_touches_interactive_and_closes_batch_fast(stack: Stack,
+                                                                      fault: str) -> None:
+    """The gate stopped (connection refused) or frozen (SIGSTOP: accepted, never answered):
+    interactive requests are served as fast as before, batch gets 503 + Retry-After within
+    the auth location's timeouts; the gate back, batch is admitted again."""
+    _publish(stack.redis.extra["url"], ttl_ms=60_000, max_batch_seqs=64)
+    assert stack.request(_batch())[0] == 200
+    if fault == "stopped":
+        stack.gate.stop()
+    else:
+        os.kill(stack.gate.pid, signal.SIGSTOP)
+    try:
+        for _ in range(5):
+            status, _, took_s = _timed(stack, CHAT)
+            assert status == 200 and took_s < 0.2, (status, took_s)
+        status, headers, took_s = _timed(stack, _batch())
+        assert (status, headers["X-Borrowd-Reason"], headers["Retry-After"]) == (
+            503, "gate_unavailable", "1")
+        assert took_s < GATE_WAIT_LIMIT_S, took_s
+        status, _, took_s = _timed(stack, CHAT)
+        assert status == 200 and took_s < 0.2, (status, took_s)
+    finally:
+        if fault == "frozen":
+            os.kill(stack.gate.pid, signal.SIGCONT)
+    if fault == "frozen":
+        wait_until(lambda: stack.request(_batch())[0] == 200, 5.0, "batch admitted again")
+
+
+def test_a_router_without_the_gate_secret_gets_no_batch(stack: Stack) -> None:
+    """A caller that does not present the gate's secret is refused (401), not admitted."""
+    _publish(stack.redis.extra["url"], ttl_ms=60_000)
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{stack.gate.port}/auth", method="GET",
+        headers={"X-Borrowd-Request-Id": "x", "X-Borrowd-Prompt-Tokens": "1",
+                 "X-Borrowd-Max-Tokens": "1"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=5)
+    assert refused.value.code == 401
