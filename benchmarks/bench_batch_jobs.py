@@ -73,7 +73,7 @@ def faults(workdir: Path, items: int, max_tokens: int, concurrency: int,
            time_scale: float) -> None:
     """Part 1: one job, two workers, two budget cuts, one worker SIGKILLed."""
     with batch_stack(workdir, replicas=2, time_scale=time_scale,
-                     worker_overrides={"checkpoint_tokens": 32, "claim_idle_s": 3.0,
+                     worker_overrides={"checkpoint_tokens": 16, "claim_idle_s": 3.0,
                                        "heartbeat_s": 1.0}) as stack:
         client = openai.OpenAI(base_url=stack.api_url, api_key="sk-etl", max_retries=2)
         workers = [stack.start_worker(f"w{i}", concurrency) for i in range(2)]
@@ -162,8 +162,8 @@ def main() -> None:
     parser.add_argument("--items", type=int, default=1000)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--time-scale", type=float, default=0.1)
-    parser.add_argument("--fair-items", type=int, default=400)
+    parser.add_argument("--time-scale", type=float, default=1.0)
+    parser.add_argument("--fair-items", type=int, default=600)
     parser.add_argument("--skip-faults", action="store_true")
     parser.add_argument("--skip-fair", action="store_true")
     args = parser.parse_args()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import time
 import uuid
 from collections import deque
@@ -312,8 +313,10 @@ class BatchService:
         rate = carried_rate_per_s(list(samples), now_s, self.config.serve.rate_window_s)
         late = project_lateness(now_s, float(job["expires_at"]),
                                 int(job.get("total", 0)) - finished, rate)
-        fields: dict[str, Any] = {"at_risk": int(late.at_risk)}
-        if late.lateness_s is not None:
+        # A stalled job (nothing carried) has no finite projection: only `at_risk` says so.
+        fields: dict[str, Any] = {"at_risk": int(late.at_risk), "lateness_s": "",
+                                  "projected_finish_at": ""}
+        if late.lateness_s is not None and math.isfinite(late.lateness_s):
             fields["lateness_s"] = round(late.lateness_s, 3)
         if late.projected_finish_s is not None:
             fields["projected_finish_at"] = round(late.projected_finish_s, 3)

@@ -184,6 +184,38 @@ def test_cancelled_batch_lists_every_item_once(stack: BatchStack, client) -> Non
     assert errors and all(e["error"]["code"] == "batch_cancelled" for e in errors)
 
 
+def test_proxy_killed_mid_stream_items_resume(stack: BatchStack, client) -> None:
+    """Streams broken by a SIGKILLed proxy resume from the text received once it is back."""
+    stack.start_worker("w-proxy", concurrency=6)
+    batch = _submit(client, chat_lines(6, 300, "proxy"))
+    wait_until(lambda: _job_field(stack, batch.id, "generated_tokens") >= 64, 15,
+               "progress before the proxy dies", interval_s=0.05)
+    stack.restart_proxy()
+    done = wait_terminal(client, batch.id, 30)
+    outputs, errors = _exactly_once(client, done, 6, "proxy")
+    assert errors == []
+    _whole(outputs, 300)
+    assert done.model_extra["borrowd"]["resumes"] >= 1
+
+
+def test_job_that_cannot_finish_says_so_and_expires(stack: BatchStack, client) -> None:
+    """With nothing carried the job is flagged at risk early; at its deadline it expires and
+    every item is in the error file as batch_expired."""
+    stack.cut_budget()
+    stack.start_worker("w-expire", concurrency=2)
+    uploaded = client.files.create(file=("in.jsonl", chat_lines(5, 50, "late")),
+                                   purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                  completion_window="3s")  # type: ignore[arg-type]
+    flagged = wait_until(lambda: client.batches.retrieve(batch.id).model_extra["borrowd"]
+                         ["at_risk"], 2.5, "the at-risk flag", interval_s=0.1)
+    assert flagged is True
+    done = wait_terminal(client, batch.id, 10)
+    assert done.status == "expired" and done.expired_at
+    _outputs, errors = _exactly_once(client, done, 5, "late")
+    assert [e["error"]["code"] for e in errors] == ["batch_expired"] * 5
+
+
 _GOOD = json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
                     "body": {"model": "m", "messages": [{"role": "user", "content": "x"}]}})
 

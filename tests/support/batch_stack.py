@@ -102,6 +102,12 @@ class BatchStack:
         self.workers.append(worker)
         return worker
 
+    def restart_proxy(self) -> None:
+        """SIGKILL the proxy (streams break mid-item) and start it again on its port."""
+        argv = list(self.proxy.proc.args)
+        self.proxy.kill()
+        self.proxy = start_process("proxy", argv, self.proxy.port, timeout_s=30)
+
     def stop(self) -> None:
         """Stop every process, workers first."""
         for server in [*self.workers, self.serve, self.proxy, *self.emulators, self.redis]:
