@@ -15,6 +15,11 @@ runs no Python. Also printed: end-to-end TTFT p50/p99 and the proxy's CPU per st
 chunk and per 1k tokens (psutil, user + system seconds).
 
     python3 benchmarks/bench_proxy.py [--streams 1,50,200] [--duration-s 12]
+        [--relays uvicorn+httpx,granian+httpx,http1+aiohttp,...]
+
+`--relays` adds bare relays built from HTTP libraries (`proxy_relays.py`: server uvicorn,
+granian or borrowd's http1; client httpx, aiohttp or borrowd's upstream client), the least
+a proxy on each library can add, measured in the same paired way.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import sys
 import tempfile
@@ -191,6 +197,27 @@ def _start_servers(workdir: Path, time_scale: float) -> tuple[list[ServerProcess
     return [proxy, emulator, redis], emulator_port, proxy_port
 
 
+RELAYS = Path(__file__).resolve().with_name("proxy_relays.py")
+
+
+def _start_relay(spec: str, emulator_port: int, workdir: Path) -> tuple[ServerProcess, int]:
+    """A bare library relay (`server+client`) in front of the emulator."""
+    server, _, client = spec.partition("+")
+    port = free_port()
+    upstream = f"http://127.0.0.1:{emulator_port}"
+    if server == "granian":
+        argv = [sys.executable, "-m", "granian", "--interface", "asgi", "--loop", "uvloop",
+                "--http", "1", "--workers", "1", "--runtime-mode", "st", "--host",
+                "127.0.0.1", "--port", str(port), "--no-ws", "--log-level", "warning",
+                "--backlog", "1024", "benchmarks.proxy_relays:app"]
+        env = {**os.environ, "RELAY_CLIENT": client, "RELAY_UPSTREAM": upstream,
+               "PYTHONPATH": str(RELAYS.parents[1])}
+        return start_process(spec, argv, port, workdir=workdir, env=env), port
+    argv = [sys.executable, str(RELAYS), "--server", server, "--client", client,
+            "--port", str(port), "--upstream", upstream]
+    return start_process(spec, argv, port, workdir=workdir), port
+
+
 def main() -> int:
     """Run the benchmark and print its table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -201,6 +228,9 @@ def main() -> int:
     parser.add_argument("--time-scale", type=float, default=8.0,
                         help="emulator wall seconds per simulated second (slower steps keep the "
                              "chunk rate within what one shared CPU core serves)")
+    parser.add_argument("--relays", default="",
+                        help="comma-separated bare library relays, server+client "
+                             "(uvicorn|granian|http1 + httpx|aiohttp|borrowd)")
     args = parser.parse_args()
     levels = [int(s) for s in args.streams.split(",")]
 
@@ -208,7 +238,11 @@ def main() -> int:
     servers, emulator_port, proxy_port = _start_servers(workdir, args.time_scale)
     nginx, nginx_port = _start_nginx_relay(emulator_port)
     servers.append(nginx)
-    hops = (("borrowd", servers[0].pid, proxy_port, KEY), ("nginx", nginx.pid, nginx_port, None))
+    hops = [("borrowd", servers[0].pid, proxy_port, KEY), ("nginx", nginx.pid, nginx_port, None)]
+    for spec in filter(None, args.relays.split(",")):
+        relay, relay_port = _start_relay(spec, emulator_port, workdir)
+        servers.append(relay)
+        hops.append((spec, relay.pid, relay_port, None))
     direct_url = f"http://127.0.0.1:{emulator_port}"
     rows = []
     try:
@@ -227,7 +261,7 @@ def main() -> int:
           f"{args.max_tokens // 2}-{args.max_tokens * 3 // 2} tokens per request, "
           f"emulator time scale {args.time_scale:g}, "
           f"{psutil.cpu_count()} CPUs, load average {psutil.getloadavg()[0]:.1f}")
-    print(f"{'streams':>7} {'via':>7} {'reqs d/p':>10} {'TTFT p50 ms d/p':>16} "
+    print(f"{'streams':>7} {'via':>15} {'reqs d/p':>10} {'TTFT p50 ms d/p':>16} "
           f"{'TTFT p99 ms d/p':>16} {'+TTFT p50 ms':>12} {'+TTFT p99 ms':>12} "
           f"{'+chunk p50 ms':>13} {'+chunk p99 ms':>13} {'CPU us/chunk':>12} "
           f"{'CPU s/1k tok':>12} {'errors':>6}")
@@ -238,7 +272,7 @@ def main() -> int:
         per_1k_s = cpu_s / p.chunks * 1000 if p.chunks else float("nan")
         ttft50 = f"{_pct(d.ttft_s, 0.5) * 1e3:.1f}/{_pct(p.ttft_s, 0.5) * 1e3:.1f}"
         ttft99 = f"{_pct(d.ttft_s, 0.99) * 1e3:.1f}/{_pct(p.ttft_s, 0.99) * 1e3:.1f}"
-        print(f"{streams:>7} {via:>7} {f'{d.requests}/{p.requests}':>10} {ttft50:>16} "
+        print(f"{streams:>7} {via:>15} {f'{d.requests}/{p.requests}':>10} {ttft50:>16} "
               f"{ttft99:>16} "
               f"{added(0.5, d.ttft_overhead_s, p.ttft_overhead_s):>12} "
               f"{added(0.99, d.ttft_overhead_s, p.ttft_overhead_s):>12} "
