@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import redis
 
 from adapters.batch.config import BatchConfig
 from adapters.batch.proxy_client import Attempt, attempt, prompt_estimate
@@ -302,6 +303,7 @@ class Worker:
                                 int(self.clock()))
         record = output_line(f"batch_req_{uuid.uuid4().hex}", item.custom_id, 200,
                              request_id or merged["id"], merged)
+        self._held.pop(item.entry_id, None)  # acknowledged below: no longer to heartbeat
         if await self.store.complete(job.job_id, item.custom_id, line, "output", record,
                                      item.entry_id):
             await self.store.count(job.job_id, job.tenant,
@@ -318,6 +320,7 @@ class Worker:
         else:
             record = error_line(line_id, item.custom_id, "request_failed",
                                 f"{progress.failures} attempts failed; last: {result.detail}")
+        self._held.pop(item.entry_id, None)
         if await self.store.complete(job.job_id, item.custom_id, line, "error", record,
                                      item.entry_id):
             await self.store.count(job.job_id, job.tenant, {"redone_tokens": progress.tokens})
@@ -351,8 +354,12 @@ class _Tracker:
     async def _checkpoint(self, segment: Segment) -> None:
         job = self.item.job
         state = _Progress([*self.progress.segments, segment], self.progress.failures)
-        await self.worker.store.save_progress(job.job_id, self.item.custom_id, state.to_json())
-        await self._count(segment)
+        try:
+            await self.worker.store.save_progress(job.job_id, self.item.custom_id,
+                                                  state.to_json())
+            await self._count(segment)
+        except redis.RedisError as exc:  # the previous checkpoint stands; the next may land
+            log.warning("checkpoint of %s failed: %r", self.item.custom_id, exc)
 
     async def _count(self, segment: Segment) -> None:
         job = self.item.job

@@ -108,6 +108,15 @@ class BatchStack:
         self.proxy.kill()
         self.proxy = start_process("proxy", argv, self.proxy.port, timeout_s=30)
 
+    def restart_redis(self) -> None:
+        """SIGKILL redis-server and start it again on its port and directory (an AOF
+        there is replayed)."""
+        argv = list(self.redis.proc.args)
+        self.redis.kill()
+        url = self.redis.extra["url"]
+        self.redis = start_process("redis", argv, self.redis.port, workdir=self.redis.workdir)
+        self.redis.extra["url"] = url
+
     def stop(self) -> None:
         """Stop every process, workers first."""
         for server in [*self.workers, self.serve, self.proxy, *self.emulators, self.redis]:
@@ -146,6 +155,7 @@ def result_ids(lines: Sequence[str]) -> list[str]:
 @contextmanager
 def batch_stack(workdir: Path, *, replicas: int = 1, time_scale: float = 0.1,
                 tenants: dict[str, tuple[str, float]] | None = None,
+                redis_args: Sequence[str] = (),
                 serve_overrides: dict[str, Any] | None = None,
                 worker_overrides: dict[str, Any] | None = None) -> Iterator[BatchStack]:
     """Start the stack; `tenants` maps a name to (API key, weight)."""
@@ -154,7 +164,7 @@ def batch_stack(workdir: Path, *, replicas: int = 1, time_scale: float = 0.1,
     cli = borrowd_command()
     started: list[ServerProcess] = []
     try:
-        redis_proc = start_redis()
+        redis_proc = start_redis(extra_args=redis_args)
         started.append(redis_proc)
         url = redis_proc.extra["url"]
         emulators = []
