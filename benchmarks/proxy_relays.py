@@ -9,6 +9,9 @@ uvloop, bare ASGI app), `granian` (ASGI, uvloop, one worker), `http1` (borrowd's
 
     python3 benchmarks/proxy_relays.py --server uvicorn --client httpx --port P --upstream URL
     (granian imports `benchmarks.proxy_relays:app` and reads RELAY_CLIENT, RELAY_UPSTREAM)
+
+uvicorn, granian and httpx are not borrowd dependencies: `pip install uvicorn granian` first
+(httpx comes with the openai SDK of the dev extras).
 """
 
 from __future__ import annotations

@@ -39,8 +39,11 @@ def utf8_bytes(text: str) -> int:
 def load_tokenizer(path: str) -> TextCounter:
     """A counter of tokens under the `tokenizer.json` at `path` (special tokens not added);
     `ConfigError` naming `proxy.tokenizer_path` when it cannot be read."""
-    from tokenizers import Tokenizer
-
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise ConfigError("proxy.tokenizer_path needs the tokenizers package "
+                          "(pip install tokenizers)") from None
     if not Path(path).is_file():
         raise ConfigError(f"proxy.tokenizer_path: {path} is not a file")
     try:
