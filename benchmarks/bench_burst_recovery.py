@@ -1,7 +1,8 @@
 """How fast interactive p95s come back under their SLOs after the interactive rate doubles.
 
-Runs `seed` under each policy with a recording wrapper around its budget policy, so the
-controller's own 5 s sliding-window p95 TTFT and ITL are kept every tick, and prints, for
+Runs `seed` under each policy with a recording wrapper around the metrics source its loop
+reads (a loop that only observes, for constant budgets), so the controller's own 5 s
+sliding-window p95 TTFT and ITL are kept every tick, and prints, for
 the burst: the worst p95/SLO seen, the seconds spent above the SLO, and the time from the
 burst's start until both p95s are under their SLOs for good (0 when they never crossed),
 and, for scale, how often the same 5 s p95s cross their SLOs away from the burst.
@@ -12,12 +13,12 @@ and, for scale, how often the same 5 s p95s cross their SLOs away from the burst
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
 from controller.closed_loop import SimControllers
-from models.budget import Budget, Mode, closed_budget
-from models.protocols import BudgetPolicy
+from models.protocols import Election, MetricsSource, Store, TickLoop
 from models.signals import Observation, Slo
 from models.sim.policies import PolicySpec, parse_policy
 from models.sim.run import calibrate_rate_scale, load_inputs
@@ -26,21 +27,30 @@ from models.sim.simulation import Simulation
 
 
 @dataclass
-class RecordingPolicy:
-    """Wraps a budget policy (or a constant budget) and keeps every observation it sees."""
+class RecordingSource:
+    """A metrics source that keeps every observation it hands out."""
 
-    tick_s: float
-    inner: BudgetPolicy | None
-    constant: Budget | None
+    inner: MetricsSource
     seen: list[Observation] = field(default_factory=list)
 
-    def decide(self, obs: Observation, now_s: float) -> Budget:
-        """Record `obs`, then decide as the wrapped policy would."""
+    def observe(self, pool: str, now_s: float) -> Observation:
+        """Observe through the wrapped source and keep the result."""
+        obs = self.inner.observe(pool, now_s)
         self.seen.append(obs)
-        if self.inner is not None:
-            return self.inner.decide(obs, now_s)
-        assert self.constant is not None
-        return self.constant
+        return obs
+
+
+@dataclass
+class ObservingLoop:
+    """A loop that only observes, once a second (for policies without a control loop)."""
+
+    source: MetricsSource
+    pool: str
+    tick_s: float = 1.0
+
+    def tick(self, now_s: float) -> Observation:
+        """Observe once."""
+        return self.source.observe(self.pool, now_s)
 
 
 def recovery(seen: list[Observation], slo: Slo, start_s: float, end_s: float) -> dict:
@@ -91,15 +101,19 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for name in args.policies:
         spec = parse_policy(name, scenario, None, SimControllers())
-        recorder = RecordingPolicy(
-            tick_s=spec.controller.tick_s if spec.controller else 1.0,
-            inner=spec.controller,
-            constant=spec.budget or closed_budget(scenario.pool, Mode.CLOSED, "no batch"),
-        )
-        wrapped = PolicySpec(spec.name, spec.engine_policy, spec.batch, controller=recorder)
+        seen: list[Observation] = []
+
+        def loop(source: MetricsSource, store: Store, election: Election,
+                 spec: PolicySpec = spec, seen: list[Observation] = seen) -> TickLoop:
+            recorder = RecordingSource(source, seen)
+            if spec.loop is not None:
+                return spec.loop(recorder, store, election)
+            return ObservingLoop(recorder, scenario.pool)
+
+        wrapped = dataclasses.replace(spec, loop=loop)
         Simulation(scenario, wrapped, duration_s=args.duration, seed=0, trace=trace,
                    rate_scale=scale, lengths=lengths).run()
-        r = recovery(recorder.seen, slo, start_s, end_s)
+        r = recovery(seen, slo, start_s, end_s)
         print(f"| {name} | {r['worst_norm']:.2f} | {r['above_s']:.0f} | "
               f"{r['back_under_after_s']:.0f} | {r['above_frac_outside_burst']:.3f} |")
 

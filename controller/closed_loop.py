@@ -1,34 +1,46 @@
-"""The controller against the engine simulator: policies for `borrowd sim`/`bench`, and
+"""The controller against the engine simulator: the pools `borrowd sim`/`bench` run, and
 identification experiments run on the simulator.
 
 `SimControllers` is the catalog of closed-loop policies the CLI hands to the simulator
-(`models.sim.policies.ControllerCatalog`): one per control law, built by `make_policy`.
-`identify_on_simulator` drives the simulator with a bounded PRBS budget (cut to the low level
-whenever a signal burns, so the experiment stays safe) and fits a `PlantModel` from what the
-controller would have observed (the same smoothing).
+(`models.sim.policies.ControllerCatalog`): one per registered law, each run as the daemon runs
+a pool, by its own `PoolLoop` (`sim_loop_factory`) over the pool's config: from a daemon TOML
+(`borrowd sim --config FILE [--pool P]`), or else the pool of `borrowd config example` with
+the scenario's SLOs and batch sizes. `identify_on_simulator` drives the simulator with a
+bounded PRBS budget (cut to the low level whenever a signal burns, so the experiment stays
+safe) through the same loop and fits a `PlantModel` from what the controller would have
+observed (the same smoothing).
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import tomllib
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
+import structlog
 
+from controller.config import BorrowdConfig, PoolConfig, config_from_mapping, example_config
+from controller.loop import Controller, PoolLoop
+from controller.loop_metrics import DaemonMetrics
 from controller.policy import (
     LAWS,
     ControllerConfig,
     ControllerPolicy,
-    build_policy,
+    Decision,
     derive_budget,
     smooth_step,
 )
+from controller.pools import build_pool_policy
 from controller.supervisor import burning
-from models.budget import Budget, Mode
+from models.budget import Mode
 from models.errors import InputError
 from models.plant.excitation import prbs
 from models.plant.model import FitCriteria, PlantModel, identify_plant
+from models.protocols import Election, LoopFactory, MetricsSource, Store, TickLoop
 from models.signals import Observation
 from models.sim.engine import PRIORITY
 from models.sim.policies import PolicySpec
@@ -41,10 +53,24 @@ PLANTS_DIR = Path(__file__).parent / "plants"
 ENGINE_ITL_BURN_SETPOINT = 0.8
 
 
-def controller_config(law: str, scenario: Scenario) -> ControllerConfig:
-    """The controller settings used on a simulated scenario (SLOs and caps from it; under
-    engine enforcement, the ITL burn setpoint `ENGINE_ITL_BURN_SETPOINT`)."""
-    base = ControllerConfig(law=law)
+# The simulator's loop logs nothing below CRITICAL (it logs nothing critical): a tick per
+# simulated second would flood the output.
+QUIET_LOG = structlog.wrap_logger(
+    None, wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL)
+)
+
+
+def example_pool() -> PoolConfig:
+    """The pool of `borrowd config example`: the daemon's built-in defaults."""
+    return config_from_mapping(tomllib.loads(example_config()), {}).pools[0]
+
+
+def controller_config(law: str, scenario: Scenario,
+                      base: ControllerConfig | None = None) -> ControllerConfig:
+    """The controller settings used on a simulated scenario without a config file: `base`
+    (default: the example config's) with law `law`, the scenario's SLOs and batch sizes,
+    and under engine enforcement the ITL burn setpoint `ENGINE_ITL_BURN_SETPOINT`."""
+    base = replace(base if base is not None else example_pool().controller, law=law)
     if scenario.enforcement == ENGINE:
         base = replace(base, pi=replace(base.pi, setpoint_itl_burn=ENGINE_ITL_BURN_SETPOINT))
     largest = scenario.batch.prompt_clip_tokens + scenario.batch.output_clip_tokens
@@ -67,49 +93,99 @@ def default_plant_path(scenario: Scenario) -> Path:
     return own if own.exists() else PLANTS_DIR / "seed.json"
 
 
-def make_policy(name: str, scenario: Scenario, plant_path: Path | None) -> ControllerPolicy:
-    """The closed-loop policy `name` (pi | mpc | slack) for `scenario`."""
-    config = controller_config(name, scenario)
-    path = plant_path if plant_path is not None else default_plant_path(scenario)
+def default_plant(name: str, scenario: Scenario, plant_path: Path | None) -> PlantModel | None:
+    """The plant law `name` runs with on `scenario` without a config file: `plant_path`, or
+    for MPC the plant shipped for the scenario (PI without one runs the gains tuned in closed
+    loop on `seed`, README "Tuning"; slack needs none)."""
     if name == "slack" or (name == "pi" and plant_path is None):
-        # PI without a plant runs the gains tuned in closed loop on `seed` (README "Tuning").
-        plant = None
-    elif plant_path is None and not path.exists():
+        return None
+    path = plant_path if plant_path is not None else default_plant_path(scenario)
+    if plant_path is None and not path.exists():
         raise InputError(f"no plant model for scenario {scenario.name!r} at {path}")
-    else:
-        plant = PlantModel.load(path)
-    return build_policy(config, scenario.pool, plant)
+    return PlantModel.load(path)
+
+
+def default_sim_pool(name: str, scenario: Scenario) -> PoolConfig:
+    """The pool a scenario runs without a config file (see `controller_config`)."""
+    pool = example_pool()
+    return replace(pool, name=scenario.pool, controller=controller_config(name, scenario,
+                                                                          pool.controller))
+
+
+def make_policy(name: str, scenario: Scenario, plant_path: Path | None) -> ControllerPolicy:
+    """The closed-loop policy `name` (a registered law) for `scenario` without a config file."""
+    return build_pool_policy(default_sim_pool(name, scenario),
+                             default_plant(name, scenario, plant_path))
+
+
+def sim_loop_factory(pool: PoolConfig, make_controller: Callable[[], Controller]) -> LoopFactory:
+    """The daemon's `PoolLoop` for `pool` around a controller from `make_controller`, over
+    whatever metrics source, store and election the simulation hands it (metrics kept,
+    nothing logged)."""
+
+    def build(source: MetricsSource, store: Store, election: Election) -> TickLoop:
+        controller = make_controller()
+        state: Callable[[], Mapping[str, float]] = (
+            controller.state if isinstance(controller, ControllerPolicy) else dict
+        )
+        return PoolLoop(
+            pool.name,
+            ttl_ms=pool.budget_ttl_ms,
+            source=source,
+            policy=controller,
+            store=store,
+            election=election,
+            metrics=DaemonMetrics(),
+            query_age_s=lambda _pool, _now_s: 0.0,
+            controller_state=state,
+            log=QUIET_LOG,
+        )
+
+    return build
 
 
 @dataclass(frozen=True)
 class SimControllers:
-    """The closed-loop policies of `borrowd sim`/`bench`: one per control law (picklable, so
-    bench workers build their own)."""
+    """The closed-loop policies of `borrowd sim`/`bench`, one per registered law, each run as
+    the daemon runs a pool (picklable, so bench workers build their own).
+
+    With `config`, the pool named `pool` (or its only pool) runs exactly as in that file,
+    except that the policy name picks the law and the scenario's pool name labels it;
+    without, the pool of `borrowd config example` with the scenario's SLOs and batch sizes.
+    """
+
+    config: BorrowdConfig | None = None
+    pool: str | None = None
 
     def names(self) -> tuple[str, ...]:
-        """The control laws, as policy names."""
+        """The registered laws, as policy names."""
         return LAWS
 
+    def pool_config(self, name: str, scenario: Scenario) -> PoolConfig:
+        """The pool settings law `name` runs under on `scenario`."""
+        if self.config is None:
+            return default_sim_pool(name, scenario)
+        pools = {p.name: p for p in self.config.pools}
+        if self.pool is None and len(pools) > 1:
+            raise InputError(f"--pool is needed: the config has pools {', '.join(pools)}")
+        chosen = pools.get(self.pool) if self.pool is not None else self.config.pools[0]
+        if chosen is None:
+            raise InputError(f"--pool {self.pool!r} is not in the config (pools: "
+                             f"{', '.join(pools)})")
+        return replace(chosen, name=scenario.pool,
+                       controller=replace(chosen.controller, law=name))
+
     def spec(self, name: str, scenario: Scenario, plant_path: Path | None) -> PolicySpec:
-        """Policy `name` on `scenario`: engines on the priority policy, batch under the law."""
+        """Policy `name` on `scenario`: engines on the priority policy, batch under the pool's
+        loop; `plant_path` stands in for the pool's plant file."""
+        pool = self.pool_config(name, scenario)
+        if self.config is None:
+            plant = default_plant(name, scenario, plant_path)
+        else:
+            plant = PlantModel.load(plant_path) if plant_path is not None else None
+        build_pool_policy(pool, plant)  # a bad setting fails here, before any run
         return PolicySpec(name, PRIORITY, batch=True,
-                          controller=Deciding(make_policy(name, scenario, plant_path)))
-
-
-@dataclass
-class Deciding:
-    """A `ControllerPolicy` as the simulator's `BudgetPolicy` (`decide` -> `step`)."""
-
-    policy: ControllerPolicy
-
-    @property
-    def tick_s(self) -> float:
-        """The policy's control period."""
-        return self.policy.tick_s
-
-    def decide(self, obs: Observation, now_s: float) -> Budget:
-        """The budget `step` decides."""
-        return self.policy.step(obs, now_s).budget
+                          loop=sim_loop_factory(pool, lambda: build_pool_policy(pool, plant)))
 
 
 @dataclass(frozen=True)
@@ -126,7 +202,7 @@ class Experiment:
 
 @dataclass
 class ExcitationPolicy:
-    """A `BudgetPolicy` that plays a designed input and records what it observes.
+    """A controller (for `PoolLoop`) that plays a designed input and records what it observes.
 
     Safety net: while a signal burns badly enough for the supervisor to revoke, the budget
     drops to the experiment's low level; the record shows the input actually applied.
@@ -142,16 +218,21 @@ class ExcitationPolicy:
         self.applied: list[float] = []
         self.observations: list[Observation] = []
 
-    def decide(self, obs: Observation, now_s: float) -> Budget:
-        """The planned budget for this tick, cut to the low level when a signal burns."""
+    def step(self, obs: Observation, now_s: float, *, stopped: bool = False) -> Decision:
+        """The planned budget for this tick, cut to the low level when a signal burns (zero
+        while the stop switch is set)."""
         k = min(len(self.applied), len(self.u_plan) - 1)
         u = float(self.u_plan[k])
         reason, severe = burning(obs, self.config.slo(), self.config.supervisor)
         if reason and severe:
             u = min(u, self.u_low)
+        if stopped:
+            u = 0.0
         self.applied.append(u)
         self.observations.append(obs)
-        return derive_budget(self.pool, Mode.OPEN, "identification", u, self.config.caps)
+        mode = Mode.STOPPED if stopped else Mode.OPEN
+        budget = derive_budget(self.pool, mode, "identification", u, self.config.caps)
+        return Decision(budget=budget, u_law=u, events=())
 
 
 def run_experiment(scenario: Scenario, experiment: Experiment) -> ExcitationPolicy:
@@ -159,7 +240,8 @@ def run_experiment(scenario: Scenario, experiment: Experiment) -> ExcitationPoli
     from models.sim.run import calibrate_rate_scale, load_inputs
     from models.sim.simulation import Simulation
 
-    config = controller_config("pi", scenario)
+    pool = default_sim_pool("pi", scenario)
+    config = pool.controller
     u_plan = prbs(
         experiment.u_low_tokens_per_s,
         experiment.u_high_tokens_per_s,
@@ -174,7 +256,8 @@ def run_experiment(scenario: Scenario, experiment: Experiment) -> ExcitationPoli
     trace, lengths = load_inputs(scenario)
     sim = Simulation(
         scenario,
-        PolicySpec("identify", PRIORITY, batch=True, controller=policy),
+        PolicySpec("identify", PRIORITY, batch=True,
+                   loop=sim_loop_factory(pool, lambda: policy)),
         duration_s=experiment.duration_s,
         seed=experiment.seed,
         trace=trace,

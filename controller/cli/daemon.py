@@ -1,16 +1,37 @@
 """The daemon's commands: `borrowd run --config FILE`, `borrowd config check FILE`, and
-`borrowd config example` (the documented example config, generated from the fields)."""
+`borrowd config example` (the documented example config, generated from the fields).
+
+This is the daemon's composition root: Redis clients, the Prometheus source, the metrics
+server and the loops are wired here; `controller.loop` and `controller.daemon` only see
+protocols.
+"""
 
 from __future__ import annotations
 
 import argparse
+import math
 import signal
 import threading
+import time
+from wsgiref.simple_server import WSGIServer
 
-from controller import daemon
+import redis
+import structlog
+from prometheus_client import CollectorRegistry, start_http_server
+
+from adapters.pool_store import RedisPoolElection, RedisPoolStore
+from adapters.redis_conn import connect, redact_url
+from adapters.store import BudgetStore, LeaderElection
 from controller.cli.logs import configure_logging
-from controller.config import example_config, load_config
+from controller.config import BorrowdConfig, example_config, load_config
+from controller.daemon import Daemon
+from controller.loop import PoolLoop
+from controller.loop_metrics import DaemonMetrics
+from controller.pools import build_policies
+from controller.prom_source import PrometheusSource, connect_prometheus
 from controller.sdnotify import Notifier
+
+QUERY_ERROR_LOG_PERIOD_S = 60.0
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -37,17 +58,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _run(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     configure_logging(config.daemon.log_level)
-    daemon.build_policies(config)  # plant files and law settings fail here, before Redis
+    build_policies(config)  # plant files and law settings fail here, before Redis
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
-    daemon.run(config, stop, notifier=Notifier())
+    run(config, stop, notifier=Notifier())
     return 0
 
 
 def _check(args: argparse.Namespace) -> int:
     config = load_config(args.file)
-    daemon.build_policies(config)
+    build_policies(config)
     pools = ", ".join(
         f"{pool.name} (law {pool.controller.law}, tick {pool.tick_s:g} s)" for pool in config.pools
     )
@@ -58,3 +79,92 @@ def _check(args: argparse.Namespace) -> int:
 def _example(args: argparse.Namespace) -> int:
     print(example_config(), end="")
     return 0
+
+
+def build_daemon(
+    config: BorrowdConfig,
+    *,
+    redis_client: redis.Redis | None = None,
+    notifier: Notifier | None = None,
+) -> Daemon:
+    """A `Daemon` for `config`: Prometheus source, Redis store and election, policies."""
+    log = structlog.get_logger("borrowd.daemon")
+    metrics = DaemonMetrics()
+    client = redis_client or connect(
+        config.redis.url,
+        connect_timeout_s=config.redis.connect_timeout_s,
+        socket_timeout_s=config.redis.socket_timeout_s,
+    )
+    prom = connect_prometheus(config.prometheus.url, config.prometheus.timeout_s)
+
+    last_logged: dict[tuple[str, str, str], float] = {}
+
+    def on_query_error(pool: str, field: str, kind: str, detail: str) -> None:
+        metrics.errors.labels(pool, "prometheus", kind).inc()
+        # Every failure is counted; a failure that repeats each tick is logged once a minute.
+        key, now = (pool, field, kind), time.monotonic()
+        if now - last_logged.get(key, -math.inf) >= QUERY_ERROR_LOG_PERIOD_S:
+            last_logged[key] = now
+            log.warning("prometheus_query_failed", pool=pool, field=field, kind=kind,
+                        detail=detail)
+
+    source = PrometheusSource(
+        prom, window=config.prometheus.window, timeout_s=config.prometheus.timeout_s,
+        on_error=on_query_error,
+    )
+    holder_id = config.daemon.resolved_holder_id()
+    policies = build_policies(config)
+    loops = {}
+    for pool in config.pools:
+        policy = policies[pool.name]
+        loops[pool.name] = PoolLoop(
+            pool.name,
+            ttl_ms=pool.budget_ttl_ms,
+            source=source,
+            policy=policy,
+            store=RedisPoolStore(BudgetStore(client, pool.name)),
+            election=RedisPoolElection(
+                LeaderElection(client, pool.name, holder_id, pool.leader_lease_ms)
+            ),
+            metrics=metrics,
+            query_age_s=source.last_success_age_s,
+            controller_state=policy.state,
+            log=log.bind(pool=pool.name, holder_id=holder_id),
+        )
+    log.info(
+        "daemon_configured",
+        pools=[pool.name for pool in config.pools],
+        holder_id=holder_id,
+        redis=redact_url(config.redis.url),
+        prometheus=config.prometheus.url,
+        window=config.prometheus.window,
+    )
+    return Daemon(
+        loops,
+        {pool.name: pool.tick_s for pool in config.pools},
+        metrics=metrics,
+        notifier=notifier or Notifier(),
+        log=log,
+    )
+
+
+def serve_metrics(listen: str, registry: CollectorRegistry) -> WSGIServer:
+    """Serve `registry` at http://listen/metrics in a thread; the server (to shut down)."""
+    host, _, port = listen.rpartition(":")
+    server, _thread = start_http_server(int(port), addr=host.strip("[]") or "0.0.0.0",
+                                        registry=registry)
+    return server
+
+
+def run(config: BorrowdConfig, stop: threading.Event, *, notifier: Notifier | None = None) -> None:
+    """Run the daemon for `config` until `stop` is set; /metrics served meanwhile."""
+    daemon = build_daemon(config, notifier=notifier)
+    server = None
+    if config.daemon.metrics_listen:
+        server = serve_metrics(config.daemon.metrics_listen, daemon.metrics.registry)
+    try:
+        daemon.run_until(stop)
+    finally:
+        if server is not None:
+            server.shutdown()
+            server.server_close()

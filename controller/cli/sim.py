@@ -1,4 +1,9 @@
-"""`borrowd sim` (one simulated run as JSON) and `borrowd bench` (policies side by side)."""
+"""`borrowd sim` (one simulated run as JSON) and `borrowd bench` (policies side by side).
+
+Closed-loop policies run the daemon's own per-pool loop against the simulated fleet, from
+`--config FILE [--pool P]` (a daemon TOML, as `borrowd run` reads it) or else from the
+defaults `borrowd config example` prints.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import json
 from pathlib import Path
 
 from controller.closed_loop import SimControllers
+from controller.config import load_config
 from models.errors import InputError
 from models.sim.bench import format_table, plot, run_bench
 from models.sim.cores import DEFAULT_ENGINE, ENGINE_CORES
@@ -43,6 +49,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", type=Path, metavar="FILE",
+                   help="daemon config (TOML): closed-loop policies run its pool as `borrowd "
+                        "run` would (default: the `borrowd config example` settings)")
+    p.add_argument("--pool", help="pool of --config to run (needed when it has several)")
     p.add_argument("--scenario", default="seed",
                    help="built-in scenario (seed, seed-failure) or a scenario TOML file "
                         "(`borrowd scenario example` prints a template)")
@@ -87,6 +97,15 @@ def _scenario(args: argparse.Namespace) -> Scenario:
     return scenario.with_overrides(**changes) if changes else scenario
 
 
+def _controllers(args: argparse.Namespace) -> SimControllers:
+    """The closed-loop policies: the pool of `--config`, or the built-in defaults."""
+    if args.config is None:
+        if args.pool is not None:
+            raise InputError("--pool needs --config (the daemon config the pool is in)")
+        return SimControllers()
+    return SimControllers(load_config(args.config), args.pool)
+
+
 def cmd_sim(args: argparse.Namespace) -> int:
     """Run one scenario under one policy; print a summary, write JSON if asked."""
     scenario = _scenario(args)
@@ -98,7 +117,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
         trace_path=args.interactive_trace,
         engine=args.engine,
         plant_path=args.plant,
-        controllers=SimControllers(),
+        controllers=_controllers(args),
     )
     summary = result.summary()
     summary["slo"] = slo_json(scenario)
@@ -123,7 +142,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         engine=args.engine,
         plant_path=str(args.plant) if args.plant else None,
         workers=args.workers,
-        controllers=SimControllers(),
+        controllers=_controllers(args),
     )
     print(
         f"scenario {scenario.name}, {args.duration:g} s simulated, interactive rate scale "

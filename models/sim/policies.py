@@ -17,7 +17,7 @@ from typing import Protocol
 
 from models.budget import Budget, Mode
 from models.errors import InputError
-from models.protocols import BudgetPolicy
+from models.protocols import LoopFactory
 from models.sim.engine import FCFS, PRIORITY
 from models.sim.scenario import Scenario
 
@@ -29,15 +29,16 @@ BUILTIN = ("none", "unrestricted", "priority")
 class PolicySpec:
     """A resolved policy: engine scheduling policy, batch on/off, and the budget source.
 
-    Exactly one of `budget` (published once at the start) and `controller` (asked every
-    `tick_s`) is set when `batch` is true.
+    Exactly one of `budget` (published once at the start) and `loop` (the factory of the
+    pool's control loop, ticked every `tick_s` against the simulation) is set when `batch`
+    is true.
     """
 
     name: str
     engine_policy: str
     batch: bool
     budget: Budget | None = None
-    controller: BudgetPolicy | None = None
+    loop: LoopFactory | None = None
 
 
 class ControllerCatalog(Protocol):

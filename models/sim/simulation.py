@@ -2,16 +2,18 @@
 
 Events (a heap, plus a pointer into the sorted interactive arrivals): a replica's step
 ends (its result is applied then, and its next step starts at once if it has work), an
-interactive arrival (routed, and an idle replica starts a step), a policy tick, a gate
-wake-up when the token bucket will hold the next batch request, a once-a-second
+interactive arrival (routed, and an idle replica starts a step), a tick of the pool's
+control loop, a gate wake-up when the token bucket will hold the next batch request, a once-a-second
 housekeeping pass (clients give up on interactive requests with no first token after
 `ttft_timeout_s`), and replica failure/recovery.
 
-`Simulation` is also a `MetricsSource` (`observe`) and a `BudgetSink` (`publish`), so a
-`BudgetPolicy` runs against it exactly as the daemon runs against Prometheus and Redis.
-Publishing a budget below what is in flight revokes batch requests newest first: they are
-aborted in their engine and their jobs go back to the head of the backlog; the tokens they
-had computed count as recomputed work.
+`Simulation` is a `MetricsSource` (`observe`, as Prometheus is) and owns a budget store and
+election (`models.sim.store`, as Redis is), so the daemon's own per-pool loop, built by the
+policy's `LoopFactory` at the CLI edge (`controller.loop.PoolLoop`: stop switch, election,
+fencing and all), ticks against it every `tick_s` of virtual time. Each record the store
+takes is enforced at once: a budget below what is in flight revokes batch requests newest
+first (aborted in their engine, their jobs back at the head of the backlog, the tokens they
+had computed counted as recomputed work), then batch is admitted within it.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import numpy as np
 from models.budget import Budget
 from models.enforcement import engine_share
 from models.errors import InputError
-from models.protocols import BudgetPolicy
+from models.protocols import TickLoop
 from models.signals import Observation
 from models.sim import metrics
 from models.sim.cores import DEFAULT_ENGINE, make_engine
@@ -37,6 +39,7 @@ from models.sim.policies import PolicySpec
 from models.sim.profiles import get_profile
 from models.sim.request import ABORTED, BATCH, INTERACTIVE, Request
 from models.sim.scenario import BACKLOG, ENGINE, Scenario
+from models.sim.store import SimElection, SimStore
 from models.sim.trace import Lengths, Trace
 from models.sim.workload import BatchJob, BatchSource, interactive_arrivals
 
@@ -144,6 +147,11 @@ class Simulation:
             INF if scenario.batch.mode == BACKLOG else 0.0
         )
         self.gate = BatchGate()
+        self.store = SimStore(scenario.pool, self._enforce)
+        self.election = SimElection(self.store)
+        self.loop: TickLoop | None = (
+            policy.loop(self, self.store, self.election) if policy.loop is not None else None
+        )
         if scenario.enforcement == ENGINE:
             for e in self.fleet.engines:
                 if not hasattr(e, "set_batch_budget"):
@@ -352,10 +360,11 @@ class Simulation:
             self.batch_done_prompt_tokens += job.prompt_tokens
             self.batch_done_output_tokens += job.output_tokens
 
-    # -- BudgetSink and MetricsSource ------------------------------------------------------
+    # -- enforcement of the stored budget, and the MetricsSource ----------------------------
 
-    def publish(self, budget: Budget, now_s: float) -> None:
-        """Enforce `budget` from `now_s`: gate it, revoke beyond its caps, admit within it."""
+    def _enforce(self, budget: Budget, now_s: float) -> None:
+        """Enforce the record the store took at `now_s`: gate it, revoke beyond its caps,
+        admit within it."""
         self.gate.set_budget(budget, now_s)
         if self.scenario.enforcement == ENGINE:
             self._share_engine_budget(now_s)
@@ -490,10 +499,12 @@ class Simulation:
         wall0 = time.perf_counter()
         sc = self.scenario
         duration = self.duration_s
-        controller: BudgetPolicy | None = self.policy.controller
+        loop = self.loop
         if self.policy.batch and self.policy.budget is not None:
-            self.publish(self.policy.budget, 0.0)
-        if controller is not None:
+            # A constant budget, written once with a lease that outlasts the run.
+            self.store.publish(self.policy.budget, epoch=0, now_s=0.0,
+                               ttl_ms=math.ceil(duration * 1000) + 1000)
+        if loop is not None:
             self._push(0.0, _TICK)
         self._push(1.0, _HOUSE)
         if sc.failure is not None:
@@ -567,10 +578,9 @@ class Simulation:
             t, _, kind, arg = heapq.heappop(heap)
             self.now_s = t
             if kind == _TICK:
-                assert controller is not None
-                budget = controller.decide(self.observe(sc.pool, t), t)
-                self.publish(budget, t)
-                self._push(t + controller.tick_s, _TICK)
+                assert loop is not None
+                loop.tick(t)
+                self._push(t + loop.tick_s, _TICK)
             elif kind == _WAKE:
                 if t >= self._wake_s:
                     self._wake_s = INF

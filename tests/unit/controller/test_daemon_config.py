@@ -182,7 +182,7 @@ def _capitalised(text: str) -> str:
 )
 def test_burn_is_used_only_where_the_rules_measure_the_pool_slo(slos: dict, burn: bool) -> None:
     """The Prometheus burn rules count samples above 50 ms / 1 s; other SLOs use the p95s."""
-    from controller.daemon import build_policies
+    from controller.pools import build_policies
 
     config = config_from_mapping(pool(controller=slos))
     assert build_policies(config)["a"].config.control_on_burn is burn

@@ -6,15 +6,16 @@ import math
 from dataclasses import dataclass, field
 
 import pytest
-import redis
 from apscheduler.events import EVENT_JOB_MAX_INSTANCES, EVENT_JOB_MISSED, JobEvent
 from prometheus_client import generate_latest
 from structlog.testing import capture_logs
 
-from adapters.store import FencedError
-from controller.daemon import FOLLOWER, LEADER, Daemon, DaemonMetrics, PoolLoop
+from controller.daemon import Daemon
+from controller.loop import PoolLoop
+from controller.loop_metrics import FOLLOWER, LEADER, DaemonMetrics
 from controller.sdnotify import Notifier
 from models.budget import Budget, Mode, closed_budget
+from models.errors import FencedError, StoreError
 from models.signals import Observation
 
 OPEN = Budget(pool="chat", mode=Mode.OPEN, reason="quiet", batch_tokens_per_s=5000.0,
@@ -66,7 +67,7 @@ class FakePolicy:
 
 @dataclass
 class FakeStore:
-    """Stores published budgets with an envelope; can refuse (fenced) or fail (Redis down)."""
+    """Stores published budgets with an envelope; can refuse (fenced) or fail (store down)."""
 
     published: list[Budget] = field(default_factory=list)
     fence_at_epoch: int | None = None
@@ -75,7 +76,7 @@ class FakeStore:
 
     def publish(self, budget: Budget, *, epoch: int, ttl_ms: int, now_s: float) -> Budget:
         if self.down:
-            raise redis.ConnectionError("Redis is down")
+            raise StoreError("ConnectionError: Redis is down")
         if self.fence_at_epoch is not None and epoch < self.fence_at_epoch:
             raise FencedError(budget.pool, epoch, self.fence_at_epoch)
         stored = budget.with_envelope(epoch=epoch, seq=len(self.published) + 1,
@@ -85,7 +86,7 @@ class FakeStore:
 
     def stop_reason(self) -> str | None:
         if self.down:
-            raise redis.ConnectionError("Redis is down")
+            raise StoreError("ConnectionError: Redis is down")
         return self.stop
 
 
@@ -102,13 +103,13 @@ class FakeElection:
     def try_acquire(self) -> int | None:
         self.calls.append("acquire")
         if self.down:
-            raise redis.ConnectionError("Redis is down")
+            raise StoreError("ConnectionError: Redis is down")
         return self.acquire.pop(0) if len(self.acquire) > 1 else self.acquire[0]
 
     def renew(self) -> bool:
         self.calls.append("renew")
         if self.down:
-            raise redis.ConnectionError("Redis is down")
+            raise StoreError("ConnectionError: Redis is down")
         return self.renew_ok
 
     def release(self) -> None:

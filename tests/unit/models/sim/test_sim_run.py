@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from models.budget import Budget, Mode, closed_budget
-from models.signals import Observation
 from models.sim.engine import Engine, EngineConfig
 from models.sim.policies import PolicySpec, parse_policy, static_budget
 from models.sim.profiles import H100_LLAMA3_8B
@@ -101,7 +100,8 @@ def test_replica_failure_resubmits_interactive() -> None:
 
 @dataclass
 class ScriptedPolicy:
-    """A BudgetPolicy playing budgets from a script and checking the gate at every tick."""
+    """A control loop playing budgets from a script into the simulation's store and checking
+    the gate at every tick."""
 
     sim: Simulation | None = None
     tick_s: float = 1.0
@@ -110,10 +110,11 @@ class ScriptedPolicy:
     checks: int = 0
     current: Budget | None = None
 
-    def decide(self, obs: Observation, now_s: float) -> Budget:
-        """Check the caps of the budget in force, then return the script's next budget."""
+    def tick(self, now_s: float) -> Budget:
+        """Check the caps of the budget in force, then publish the script's next budget."""
         sim = self.sim
         assert sim is not None
+        obs = sim.observe(sim.scenario.pool, now_s)
         assert obs.now_s == now_s
         inflight = list(sim._batch_inflight)
         if self.current is not None:
@@ -129,7 +130,7 @@ class ScriptedPolicy:
             self.before_cut = inflight
         self.current = budget
         assert budget is not None
-        return budget
+        return sim.store.publish(budget, epoch=1, ttl_ms=5000, now_s=now_s)
 
 
 def open_budget(seqs: int, rate: float = 60_000.0) -> Budget:
@@ -147,19 +148,20 @@ def test_budget_caps_hold_and_revocation_is_newest_first() -> None:
         (20.0, open_budget(3)),
         (30.0, closed_budget("seed", Mode.CLOSED, "test")),
     ])
-    spec = PolicySpec("scripted", "priority", batch=True, controller=policy)
+    spec = PolicySpec("scripted", "priority", batch=True,
+                      loop=lambda source, store, election: policy)
     sim = Simulation(SEED, spec, duration_s=40.0, seed=3, trace=trace,
                      rate_scale=SEED_RATE_SCALE, lengths=lengths)
     policy.sim = sim
     after_cut: list[str] = []
-    publish = sim.publish
+    enforce = sim.store.enforce
 
-    def publish_and_look(budget: Budget, now_s: float) -> None:
-        publish(budget, now_s)
+    def enforce_and_look(budget: Budget, now_s: float) -> None:
+        enforce(budget, now_s)
         if now_s == 20:
             after_cut.extend(sim._batch_inflight)
 
-    sim.publish = publish_and_look  # type: ignore[method-assign]
+    sim.store.enforce = enforce_and_look
     res = sim.run()
     assert policy.checks >= 38
     assert len(policy.before_cut) == 12

@@ -1,0 +1,59 @@
+"""The daemon loop's view of Redis: one pool's budget store and leader election behind the
+transport-neutral protocols of `models.protocols`, every `redis.RedisError` raised as
+`models.errors.StoreError` (`FencedError` passes through: it is the store's answer)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+import redis
+
+from adapters.store import BudgetStore, LeaderElection
+from models.budget import Budget
+from models.errors import StoreError
+
+T = TypeVar("T")
+
+
+def _neutral(call: Callable[[], T]) -> T:
+    try:
+        return call()
+    except redis.RedisError as exc:
+        raise StoreError(f"{type(exc).__name__}: {exc}") from exc
+
+
+class RedisPoolStore:
+    """`models.protocols.Store` over `adapters.store.BudgetStore`."""
+
+    def __init__(self, store: BudgetStore) -> None:
+        self.store = store
+
+    def publish(self, budget: Budget, *, epoch: int, ttl_ms: int, now_s: float) -> Budget:
+        """Write `budget` fenced by `epoch`; `FencedError` if deposed, `StoreError` if Redis
+        fails."""
+        return _neutral(lambda: self.store.publish(budget, epoch=epoch, ttl_ms=ttl_ms,
+                                                   now_s=now_s))
+
+    def stop_reason(self) -> str | None:
+        """The operator's reason while the stop switch is set; `StoreError` if Redis fails."""
+        return _neutral(self.store.stop_reason)
+
+
+class RedisPoolElection:
+    """`models.protocols.Election` over `adapters.store.LeaderElection`."""
+
+    def __init__(self, election: LeaderElection) -> None:
+        self.election = election
+
+    def try_acquire(self) -> int | None:
+        """Take or keep the lease: the epoch, or None when another replica holds it."""
+        return _neutral(self.election.try_acquire)
+
+    def renew(self) -> bool:
+        """Extend the lease; False when it is lost."""
+        return _neutral(self.election.renew)
+
+    def release(self) -> None:
+        """Give the lease up."""
+        _neutral(self.election.release)

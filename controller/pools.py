@@ -1,0 +1,61 @@
+"""From a pool's config to the controller the daemon runs for it (no network): its plant
+file, the burn-rule check, and the state it exports. Shared by `borrowd run` and the
+simulator's CLI, so both run a pool's config the same way."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import structlog
+
+from controller.config import BorrowdConfig, PoolConfig
+from controller.policy import ControllerConfig, ControllerPolicy, build_policy
+from models.plant.model import PlantModel
+
+# The SLO-burn recording rules (deploy/prometheus/borrowd.rules.yml) count the share of
+# interactive samples above these bucket bounds.
+RULES_SLO_TTFT_S = 1.0
+RULES_SLO_ITL_S = 0.05
+
+
+def load_plant(pool: PoolConfig) -> PlantModel | None:
+    """The pool's identified plant, or None when `plant_file` is empty."""
+    return PlantModel.load(Path(pool.plant_file)) if pool.plant_file else None
+
+
+def burn_matches_rules(controller: ControllerConfig) -> bool:
+    """True when the pool's SLOs are the bounds the burn recording rules measure against."""
+    return (
+        math.isclose(controller.slo_ttft_p95_s, RULES_SLO_TTFT_S)
+        and math.isclose(controller.slo_itl_p95_s, RULES_SLO_ITL_S)
+    )
+
+
+def pool_controller(pool: PoolConfig) -> ControllerConfig:
+    """The controller settings the daemon runs for `pool`.
+
+    A pool whose SLOs differ from the burn rules' bucket bounds controls on its p95s: the
+    burn read from Prometheus would measure a different line than its SLO.
+    """
+    controller = pool.controller
+    if controller.control_on_burn and not burn_matches_rules(controller):
+        structlog.get_logger("borrowd.daemon").warning(
+            "burn_off_for_slo", pool=pool.name, slo_ttft_p95_s=controller.slo_ttft_p95_s,
+            slo_itl_p95_s=controller.slo_itl_p95_s, rules_ttft_s=RULES_SLO_TTFT_S,
+            rules_itl_s=RULES_SLO_ITL_S,
+        )
+        controller = dataclasses.replace(controller, control_on_burn=False)
+    return controller
+
+
+def build_pool_policy(pool: PoolConfig, plant: PlantModel | None = None) -> ControllerPolicy:
+    """The controller policy of one pool; `plant` (when given) stands in for its plant file."""
+    return build_policy(pool_controller(pool), pool.name,
+                        plant if plant is not None else load_plant(pool))
+
+
+def build_policies(config: BorrowdConfig) -> dict[str, ControllerPolicy]:
+    """One controller policy per pool (reads plant files; no network)."""
+    return {pool.name: build_pool_policy(pool) for pool in config.pools}
