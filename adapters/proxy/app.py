@@ -383,7 +383,8 @@ class ProxyServer:
                    kind, retry_after_s=decision.retry_after_s)
             return
         ex.requested_max_tokens = requested
-        stream = self.batch.add(ex.request_id, self.clock())
+        # The gate's lease began during the admit call, at most one gate timeout ago.
+        stream = self.batch.add(ex.request_id, self.clock() - cfg.admission.gate_timeout_s)
         try:
             await self._forward(out, ex, min(requested, decision.max_output_tokens), stream)
         finally:

@@ -110,8 +110,10 @@ async def renew_leases(gate: GateLike, registry: BatchRegistry, interval_s: floa
     """Renew the admission lease of every in-flight batch request every `interval_s`.
 
     A renewal the gate refuses (the lease expired, or Redis restarted empty) revokes the
-    request at once; while renewals fail (Redis down or frozen), a request whose last good
-    renewal is older than `lease_s` is revoked: the gate has counted it gone by then.
+    request at once. While renewals fail (Redis down or frozen), a request is revoked at
+    the last tick before its lease would run out (last good renewal + `lease_s`, timed from
+    before that call), since the gate counts it gone from then on:
+    revoke when now - renewed + interval_s > lease_s.
     """
     while not stopped.is_set():
         await asyncio.sleep(interval_s)
@@ -120,6 +122,7 @@ async def renew_leases(gate: GateLike, registry: BatchRegistry, interval_s: floa
             if stream.revoked:
                 continue
             if not failing:
+                asked_s = clock()
                 try:
                     alive = await asyncio.wait_for(gate.renew(request_id), call_timeout_s)
                 except GATE_ERRORS as exc:
@@ -127,12 +130,12 @@ async def renew_leases(gate: GateLike, registry: BatchRegistry, interval_s: floa
                     failing = True  # do not wait out the timeout once per stream
                 else:
                     if alive:
-                        stream.renewed_s = clock()
+                        stream.renewed_s = asked_s
                     else:
                         log.warning("lease of %s is gone; ending it", request_id)
                         stream.revoke(LEASE_LOST)
                     continue
-            if clock() - stream.renewed_s > lease_s:
-                log.warning("lease of %s not renewed for %.1f s; ending it", request_id,
-                            clock() - stream.renewed_s)
+            if clock() - stream.renewed_s + interval_s > lease_s:
+                log.warning("lease of %s not renewed for %.1f s; ending it before it runs out",
+                            request_id, clock() - stream.renewed_s)
                 stream.revoke(LEASE_LOST)

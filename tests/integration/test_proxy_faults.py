@@ -107,8 +107,8 @@ async def _events(resp: aiohttp.ClientResponse, limit: int | None = None) -> lis
 @pytest.mark.parametrize("restart", [False, True], ids=["redis-killed", "restarted-empty"])
 async def test_batch_never_outlives_its_lease(restart: bool) -> None:
     """Redis killed (renewals fail) or restarted empty (the lease is gone): an admitted batch
-    stream ends resumably with reason lease_lost within the lease, not whenever it ends; and
-    an empty Redis admits nothing new."""
+    stream ends resumably with reason lease_lost before its lease runs out, not whenever it
+    ends; and an empty Redis admits nothing new."""
     redis = start_redis()
     try:
         url = redis.extra["url"]
@@ -138,7 +138,7 @@ async def test_batch_never_outlives_its_lease(restart: bool) -> None:
     assert final["borrowd_reason"] == "lease_lost"
     assert final["borrowd_text"].startswith("".join(
         c["choices"][0]["delta"].get("content", "") for c in head))
-    assert ended_after_s < 0.9 + 0.3 + 1.0
+    assert ended_after_s < 0.9 + 0.4  # within the lease, plus loop and restart jitter
     assert rest[-2]["usage"]["completion_tokens"] < 3000
 
 
