@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import aiohttp
 import numpy as np
@@ -64,23 +65,33 @@ class LoadgenConfig:
                                  f"got {self.burst!r}")
 
 
+# Outcomes, named as the proxy's `borrowd_proxy_requests_total{outcome}` names them.
+SUCCESS = "success"
+REJECTED = "rejected"  # 429 / 503: the budget (or a closed gate) said no; retried
+REVOKED = "revoked"  # ended resumably (`finish_reason: preempted`)
+ERROR = "error"
+TRANSPORT = "transport"  # the status key of errors without an HTTP status
+
+
 @dataclass(frozen=True)
 class RequestRecord:
     """One request as the client saw it (times in seconds since the run started)."""
 
-    klass: str
+    request_class: str  # interactive | batch (`class` in JSON, as the proxy's label)
     start_s: float
     end_s: float
-    status: int
-    outcome: str  # ok | rejected | preempted | error
+    status: int  # HTTP status; 0 when no response came (connection or timeout)
+    outcome: str  # success | rejected | revoked | error
     prompt_tokens: int
     output_tokens: int
-    ttft_s: float = math.nan
+    ttft_s: float | None = None
     finish_reason: str = ""
 
     def to_json(self) -> str:
-        """One JSON line."""
-        return json.dumps(asdict(self), allow_nan=True)
+        """One strict JSON line (no NaN), `class` for the request class."""
+        data = asdict(self)
+        data["class"] = data.pop("request_class")
+        return json.dumps(data, allow_nan=False)
 
 
 @dataclass
@@ -139,7 +150,7 @@ def _body(config: LoadgenConfig, prompt_tokens: int, max_tokens: int, stream: bo
 async def _interactive(run: _Run, prompt_tokens: int, max_tokens: int) -> None:
     config = run.config
     start = run.now_s()
-    ttft = math.nan
+    ttft: float | None = None
     tokens = 0
     finish = ""
     status = 0
@@ -159,12 +170,12 @@ async def _interactive(run: _Run, prompt_tokens: int, max_tokens: int) -> None:
                 for choice in chunk.get("choices", []):
                     if (choice.get("delta") or {}).get("content"):
                         tokens += 1
-                        if math.isnan(ttft):
+                        if ttft is None:
                             ttft = run.now_s() - start
                     finish = choice.get("finish_reason") or finish
     except (TimeoutError, aiohttp.ClientError, ValueError):
-        status = status or 599
-    outcome = "ok" if status == 200 and tokens > 0 else "error"
+        status = 0 if status == 200 else status
+    outcome = SUCCESS if status == 200 and tokens > 0 else ERROR
     run.records.append(RequestRecord(INTERACTIVE, start, run.now_s(), status, outcome,
                                      prompt_tokens, tokens, ttft, finish))
 
@@ -192,18 +203,45 @@ async def _batch_worker(run: _Run, lengths: Lengths, worker: int, stop_s: float)
                     await resp.read()
                     retry_s = float(resp.headers.get("Retry-After", "1"))
         except (TimeoutError, aiohttp.ClientError, ValueError, KeyError, IndexError):
-            status = status or 599
+            status = 0 if status == 200 else status
         if status == 200:
-            outcome = "preempted" if finish == "preempted" else "ok"
+            outcome = REVOKED if finish == "preempted" else SUCCESS
         elif status in (429, 503):
-            outcome = "rejected"
+            outcome = REJECTED
         else:
-            outcome = "error"
+            outcome = ERROR
         run.records.append(RequestRecord(BATCH, start, run.now_s(), status, outcome,
-                                         prompt_tokens, tokens, math.nan, finish))
+                                         prompt_tokens, tokens, None, finish))
         index += config.batch_workers
-        if outcome in ("rejected", "error"):
+        if outcome in (REJECTED, ERROR):
             await asyncio.sleep(min(retry_s, max(0.0, stop_s - run.now_s())))
+
+
+async def check_target(session: aiohttp.ClientSession, config: LoadgenConfig) -> None:
+    """Raise InputError naming the flag at fault when the proxy cannot be reached, refuses an
+    API key, or does not serve the model (`GET /v1/models` with each key)."""
+    url = f"{config.proxy_url}/v1/models"
+    for flag, key in (("--interactive-key", config.interactive_key),
+                      ("--batch-key", config.batch_key)):
+        try:
+            async with session.get(url, headers={"Authorization": f"Bearer {key}"},
+                                   timeout=aiohttp.ClientTimeout(total=10.0)) as resp:
+                status, text = resp.status, await resp.text()
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise InputError(f"--proxy {config.proxy_url} cannot be reached: "
+                             f"{exc or type(exc).__name__}") from None
+        if status in (401, 403):
+            raise InputError(f"{flag} is refused by the proxy at {config.proxy_url} "
+                             f"(HTTP {status})")
+        if status != 200:
+            raise InputError(f"--proxy {url} answered HTTP {status}: {text[:200]}")
+        try:
+            served = sorted(str(m.get("id")) for m in json.loads(text).get("data", []))
+        except (ValueError, AttributeError):
+            raise InputError(f"--proxy {url} did not answer an OpenAI model list") from None
+        if config.model not in served:
+            raise InputError(f"--model {config.model!r} is not served at {config.proxy_url} "
+                             f"(models: {', '.join(served) or 'none'})")
 
 
 async def run_load(
@@ -213,11 +251,13 @@ async def run_load(
     *,
     clock: Callable[[], float] = time.monotonic,
 ) -> list[RequestRecord]:
-    """Send the whole run and return every request's record (in completion order)."""
+    """Check the target (`check_target`), send the whole run and return every request's
+    record (in completion order)."""
     schedule = interactive_schedule(trace, config)
     timeout = aiohttp.ClientTimeout(total=config.request_timeout_s)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        await check_target(session, config)
         run = _Run(config, session, clock, clock())
         tasks = [asyncio.create_task(_batch_worker(run, lengths, w, config.duration_s))
                  for w in range(config.batch_workers)]
@@ -231,22 +271,55 @@ async def run_load(
 
 
 def summarize(records: list[RequestRecord], start_s: float = 0.0,
-              end_s: float = math.inf) -> dict[str, float]:
-    """Per-class figures over requests that started in [start_s, end_s)."""
+              end_s: float = math.inf) -> dict[str, Any]:
+    """Per-class figures over requests that started in [start_s, end_s): strict JSON
+    (None where there is nothing to measure), errors counted by HTTP status."""
     chosen = [r for r in records if start_s <= r.start_s < end_s]
-    inter = [r for r in chosen if r.klass == INTERACTIVE]
-    batch = [r for r in chosen if r.klass == BATCH]
-    ttfts = np.array([r.ttft_s for r in inter if r.outcome == "ok"], dtype=float)
-    done = [r for r in batch if r.outcome in ("ok", "preempted")]
+    inter = [r for r in chosen if r.request_class == INTERACTIVE]
+    batch = [r for r in chosen if r.request_class == BATCH]
+    ttfts = np.array([r.ttft_s for r in inter if r.outcome == SUCCESS and r.ttft_s is not None],
+                     dtype=float)
+    done = [r for r in batch if r.outcome in (SUCCESS, REVOKED)]
     return {
-        "interactive_requests": float(len(inter)),
+        "interactive_requests": len(inter),
         "interactive_success_rate": (
-            sum(r.outcome == "ok" for r in inter) / len(inter) if inter else math.nan
+            sum(r.outcome == SUCCESS for r in inter) / len(inter) if inter else None
         ),
-        "interactive_ttft_p50_s": float(np.percentile(ttfts, 50)) if ttfts.size else math.nan,
-        "interactive_ttft_p95_s": float(np.percentile(ttfts, 95)) if ttfts.size else math.nan,
-        "batch_completed": float(len(done)),
-        "batch_rejected": float(sum(r.outcome == "rejected" for r in batch)),
-        "batch_output_tokens": float(sum(r.output_tokens for r in done)),
-        "batch_prompt_tokens": float(sum(r.prompt_tokens for r in done)),
+        "interactive_ttft_p50_s": float(np.percentile(ttfts, 50)) if ttfts.size else None,
+        "interactive_ttft_p95_s": float(np.percentile(ttfts, 95)) if ttfts.size else None,
+        "interactive_errors_by_status": errors_by_status(inter),
+        "batch_requests": len(batch),
+        "batch_completed": len(done),
+        "batch_revoked": sum(r.outcome == REVOKED for r in batch),
+        "batch_rejected": sum(r.outcome == REJECTED for r in batch),
+        "batch_errors_by_status": errors_by_status(batch),
+        "batch_output_tokens": sum(r.output_tokens for r in done),
+        "batch_prompt_tokens": sum(r.prompt_tokens for r in done),
     }
+
+
+def errors_by_status(records: list[RequestRecord]) -> dict[str, int]:
+    """How many of `records` failed, by HTTP status (`transport` when none came back)."""
+    counts: dict[str, int] = {}
+    for record in records:
+        if record.outcome == ERROR:
+            key = str(record.status) if record.status else TRANSPORT
+            counts[key] = counts.get(key, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def failures(summary: dict[str, Any]) -> list[str]:
+    """What makes a run a failure: a class whose every request failed (not merely refused by
+    the budget), each as `CLASS: N errors (STATUS: COUNT, ...)`."""
+    out = []
+    for name, sent, ok in (
+        (INTERACTIVE, summary["interactive_requests"],
+         round((summary["interactive_success_rate"] or 0.0) * summary["interactive_requests"])),
+        (BATCH, summary["batch_requests"],
+         summary["batch_completed"] + summary["batch_rejected"]),
+    ):
+        errors = summary[f"{name}_errors_by_status"]
+        if sent and not ok and errors:
+            detail = ", ".join(f"{status}: {count}" for status, count in errors.items())
+            out.append(f"every {name} request failed ({detail})")
+    return out

@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 from pathlib import Path
 
-from adapters.loadgen import LoadgenConfig, parse_burst, run_load, summarize
+from adapters.loadgen import LoadgenConfig, failures, parse_burst, run_load, summarize
 from models.errors import InputError
 from models.sim.trace import load_lengths, load_trace, resolve_trace
 
@@ -18,7 +19,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "loadgen", help="send trace-replayed interactive chat plus a batch backlog to a proxy",
         description="Interactive arrivals from a chat trace (rate-scaled, optional burst), "
         "streamed with client-side TTFT; batch workers keep a backlog, retrying after 429. "
-        "Prints a JSON summary; --out writes one JSON line per request.",
+        "Checks first that the proxy answers, takes both keys and serves --model (exit 2 "
+        "naming the flag otherwise). Prints a strict JSON summary with errors counted by "
+        "HTTP status; --out writes one JSON line per request. Exit 1 when every request of "
+        "a class failed.",
     )
     parser.add_argument("--proxy", required=True, metavar="URL", help="proxy base URL")
     parser.add_argument("--interactive-key", required=True, help="API key of an interactive tenant")
@@ -69,5 +73,9 @@ def _run(args: argparse.Namespace) -> int:
     records = asyncio.run(run_load(config, trace, lengths))
     if args.out is not None:
         args.out.write_text("".join(record.to_json() + "\n" for record in records))
-    print(json.dumps(summarize(records), sort_keys=True))
-    return 0
+    summary = summarize(records)
+    print(json.dumps(summary, sort_keys=True, allow_nan=False))
+    problems = failures(summary)
+    for problem in problems:
+        print(f"borrowd loadgen: {problem}", file=sys.stderr)
+    return 1 if problems else 0

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import math
+import json
 from pathlib import Path
 
 import numpy as np
@@ -10,10 +10,15 @@ import pytest
 
 from adapters.loadgen import (
     BATCH,
+    ERROR,
     INTERACTIVE,
+    REJECTED,
+    REVOKED,
+    SUCCESS,
     LoadgenConfig,
     RequestRecord,
     batch_lengths,
+    failures,
     interactive_schedule,
     parse_burst,
     summarize,
@@ -60,22 +65,54 @@ def test_batch_lengths_are_scaled_clipped_and_repeatable() -> None:
 
 
 def test_summary_counts_per_class() -> None:
-    """Success rate and TTFT percentiles for interactive; completed work for batch."""
+    """Success rate and TTFT percentiles for interactive; completed work for batch; errors
+    by HTTP status; strict JSON (None, not NaN, where nothing was measured)."""
     records = [
-        RequestRecord(INTERACTIVE, 1.0, 2.0, 200, "ok", 100, 10, ttft_s=0.1),
-        RequestRecord(INTERACTIVE, 2.0, 3.0, 200, "ok", 100, 10, ttft_s=0.3),
-        RequestRecord(INTERACTIVE, 3.0, 4.0, 502, "error", 100, 0),
-        RequestRecord(BATCH, 1.0, 9.0, 200, "ok", 3000, 200),
-        RequestRecord(BATCH, 2.0, 5.0, 200, "preempted", 3000, 50),
-        RequestRecord(BATCH, 3.0, 4.0, 429, "rejected", 3000, 0),
+        RequestRecord(INTERACTIVE, 1.0, 2.0, 200, SUCCESS, 100, 10, ttft_s=0.1),
+        RequestRecord(INTERACTIVE, 2.0, 3.0, 200, SUCCESS, 100, 10, ttft_s=0.3),
+        RequestRecord(INTERACTIVE, 3.0, 4.0, 502, ERROR, 100, 0),
+        RequestRecord(BATCH, 1.0, 9.0, 200, SUCCESS, 3000, 200),
+        RequestRecord(BATCH, 2.0, 5.0, 200, REVOKED, 3000, 50),
+        RequestRecord(BATCH, 3.0, 4.0, 429, REJECTED, 3000, 0),
+        RequestRecord(BATCH, 3.0, 4.0, 0, ERROR, 3000, 0),
+        RequestRecord(BATCH, 3.0, 4.0, 400, ERROR, 3000, 0),
     ]
     summary = summarize(records)
     assert summary["interactive_success_rate"] == pytest.approx(2 / 3)
     assert summary["interactive_ttft_p50_s"] == pytest.approx(0.2)
+    assert summary["interactive_errors_by_status"] == {"502": 1}
     assert summary["batch_completed"] == 2
+    assert summary["batch_revoked"] == 1
     assert summary["batch_rejected"] == 1
+    assert summary["batch_errors_by_status"] == {"400": 1, "transport": 1}
     assert summary["batch_output_tokens"] == 250
-    assert math.isnan(summarize(records, start_s=50.0)["interactive_ttft_p95_s"])
+    assert failures(summary) == []
+    later = summarize(records, start_s=50.0)
+    assert later["interactive_ttft_p95_s"] is None
+    json.dumps(later, allow_nan=False)
+
+
+def test_record_is_strict_json_named_as_the_proxy_names_things() -> None:
+    """A record's JSON line has `class` and the proxy's outcome names, and no NaN."""
+    line = RequestRecord(BATCH, 1.0, 2.0, 200, REVOKED, 10, 5, finish_reason="preempted")
+    data = json.loads(line.to_json())
+    assert data["class"] == "batch" and data["outcome"] == "revoked"
+    assert data["ttft_s"] is None and "request_class" not in data
+
+
+@pytest.mark.parametrize(
+    ("records", "expected"),
+    [([RequestRecord(INTERACTIVE, 1.0, 2.0, 401, ERROR, 10, 0)] * 3,
+      ["every interactive request failed (401: 3)"]),
+     ([RequestRecord(BATCH, 1.0, 2.0, 0, ERROR, 10, 0),
+       RequestRecord(BATCH, 1.0, 2.0, 404, ERROR, 10, 0)],
+      ["every batch request failed (404: 1, transport: 1)"]),
+     ([RequestRecord(BATCH, 1.0, 2.0, 429, REJECTED, 10, 0)], [])],
+    ids=["interactive-all-401", "batch-all-errors", "batch-only-refused"],
+)
+def test_failures(records: list[RequestRecord], expected: list[str]) -> None:
+    """A class whose every request failed fails the run; refusals by the budget do not."""
+    assert failures(summarize(records)) == expected
 
 
 @pytest.mark.parametrize(
