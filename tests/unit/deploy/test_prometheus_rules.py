@@ -39,13 +39,11 @@ def test_rules_file_is_valid() -> None:
 
 @needs_promtool
 def test_example_config_is_valid(tmp_path: Path) -> None:
-    """`promtool check config` accepts prometheus.example.yml with its rule file in place."""
+    """`promtool check config` accepts prometheus.example.yml as shipped, with the rule file
+    beside it (the example names it relative to itself)."""
     shutil.copyfile(DEPLOY / "borrowd.rules.yml", tmp_path / "borrowd.rules.yml")
-    text = (DEPLOY / "prometheus.example.yml").read_text()
-    rules_path = "/etc/prometheus/borrowd.rules.yml"
-    assert rules_path in text
     config = tmp_path / "prometheus.yml"
-    config.write_text(text.replace(rules_path, str(tmp_path / "borrowd.rules.yml")))
+    shutil.copyfile(DEPLOY / "prometheus.example.yml", config)
     done = subprocess.run(
         ["promtool", "check", "config", str(config)], capture_output=True, text=True, timeout=60
     )

@@ -1,11 +1,15 @@
-"""The systemd units under systemd/: valid for systemd-analyze, hardened, restarted."""
+"""The systemd units under systemd/: valid for systemd-analyze, hardened, restarted, pointing
+at the documented install (a virtualenv at /opt/borrowd), and able to read their config as
+the dynamic user systemd runs them as."""
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,7 +18,8 @@ from controller.cli import build_parser
 
 SYSTEMD = Path(__file__).resolve().parents[3] / "systemd"
 UNITS = ("borrowd.service", "borrowd-proxy.service", "borrowd-gate.service")
-INSTALLED_BINARY = "/usr/local/bin/borrowd"
+INSTALLED_BINARY = "/opt/borrowd/bin/borrowd"  # README: "Install on a host (systemd)"
+README = SYSTEMD.parent / "README.md"
 HARDENING = (
     "DynamicUser=yes",
     "NoNewPrivileges=yes",
@@ -68,7 +73,7 @@ def test_daemon_unit_uses_readiness_and_watchdog() -> None:
     lines = directives("borrowd.service")
     assert "Type=notify" in lines
     assert any(line.startswith("WatchdogSec=") for line in lines)
-    assert "ExecStart=/usr/local/bin/borrowd run --config /etc/borrowd/borrowd.toml" in lines
+    assert f"ExecStart={INSTALLED_BINARY} run --config %d/borrowd.toml" in lines
 
 
 def _env_example() -> dict[str, str]:
@@ -86,6 +91,7 @@ def test_exec_start_parses_with_the_cli(unit: str) -> None:
             continue
         command = line.split("=", 1)[1]
         expanded = re.sub(r"\$\{(\w+)\}", lambda m: env.get(m.group(1), "") or "", command)
+        expanded = expanded.replace("%d", "/run/credentials/borrowd.service")
         for key, value in re.findall(r"^Environment=(\w+)=(.*)$",
                                      (SYSTEMD / unit).read_text(), flags=re.M):
             expanded = expanded.replace(f"${{{key}}}", value)
@@ -93,3 +99,109 @@ def test_exec_start_parses_with_the_cli(unit: str) -> None:
         assert argv[0] == INSTALLED_BINARY
         assert "${" not in expanded, f"{unit}: unset variable in {command!r}"
         build_parser().parse_args(argv[1:])
+
+
+def github_anchor(heading: str) -> str:
+    """The anchor GitHub gives a Markdown heading (lower case, punctuation dropped, - for
+    spaces)."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+@pytest.mark.parametrize("unit", UNITS, ids=UNITS)
+def test_documentation_points_at_a_readme_heading(unit: str) -> None:
+    """Documentation= names an anchor of a README heading that exists."""
+    anchors = {github_anchor(line.lstrip("#")) for line in README.read_text().splitlines()
+               if line.startswith("#")}
+    docs = [line.split("=", 1)[1] for line in directives(unit) if line.startswith("Documentation=")]
+    assert docs, f"{unit} has no Documentation="
+    for url in docs:
+        assert url.partition("#")[2] in anchors, url
+
+
+# Paths a unit's own sandboxing makes invisible or empty (systemd.exec(5)).
+HIDDEN_BY = {"ProtectHome=yes": ("/home/", "/root/", "/run/user/"),
+             "PrivateTmp=yes": ("/tmp/", "/var/tmp/")}
+
+
+@pytest.mark.parametrize("unit", UNITS, ids=UNITS)
+def test_installed_binary_is_visible_inside_the_sandbox(unit: str) -> None:
+    """Every command runs the /opt virtualenv, which ProtectHome/PrivateTmp do not hide."""
+    lines = directives(unit)
+    hidden = [prefix for key, prefixes in HIDDEN_BY.items() if key in lines for prefix in prefixes]
+    for line in lines:
+        if line.startswith(("ExecStart=", "ExecStartPre=")):
+            binary = shlex.split(line.split("=", 1)[1])[0]
+            assert binary == INSTALLED_BINARY
+            assert not binary.startswith(tuple(hidden)), (unit, binary, hidden)
+            assert binary.startswith("/opt/")
+
+
+def values(unit: str, key: str) -> list[str]:
+    """The values of every `key=` line of `unit`."""
+    return [line.split("=", 1)[1] for line in directives(unit) if line.startswith(f"{key}=")]
+
+
+SERVICE_UID = 61999  # in systemd's DynamicUser range (61184-65519)
+
+
+def lay_out_like_systemd(unit: str, root: Path) -> dict[str, Path]:
+    """What systemd prepares before a DynamicUser unit's commands run (systemd.exec(5)), with
+    `root/etc/borrowd` standing in for /etc/borrowd and files installed as the README says
+    (root-owned, 0600): ConfigurationDirectory= root-owned with ConfigurationDirectoryMode=
+    (0755 by default); each LoadCredential=ID:PATH copied to the credentials directory as ID,
+    owned by the service user, mode 0400, the directory 0500. Returns the path map for the
+    commands: "%d" and "/etc/borrowd"."""
+    etc = root / "etc" / "borrowd"
+    etc.mkdir(parents=True)
+    for name, source in (("borrowd.toml", "examples/borrowd.toml"),
+                         ("proxy.toml", "examples/proxy.toml"),
+                         ("borrowd.env", "systemd/borrowd.env.example")):
+        target = etc / name
+        shutil.copyfile(SYSTEMD.parent / source, target)
+        target.chmod(0o600)
+    mode = int((values(unit, "ConfigurationDirectoryMode") or ["0755"])[0], 8)
+    etc.chmod(mode)
+    credentials = root / "run" / "credentials" / unit
+    credentials.mkdir(parents=True)
+    for spec in values(unit, "LoadCredential"):
+        name, _, source = spec.partition(":")
+        copy = credentials / name
+        shutil.copyfile(etc / Path(source).relative_to("/etc/borrowd"), copy)
+        os.chown(copy, SERVICE_UID, SERVICE_UID)
+        copy.chmod(0o400)
+    os.chown(credentials, SERVICE_UID, SERVICE_UID)
+    credentials.chmod(0o500)
+    return {"%d": credentials, "/etc/borrowd": etc}
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
+                    reason="needs root and setpriv to act as systemd's dynamic user")
+@pytest.mark.parametrize("unit", ["borrowd.service", "borrowd-proxy.service"])
+def test_dynamic_user_can_read_its_config(unit: str) -> None:
+    """Laid out as systemd does it, every config file a command names is readable by the
+    service's dynamic user (not root), and holds what was installed."""
+    root = Path(tempfile.mkdtemp(prefix="borrowd-systemd-"))
+    try:
+        root.chmod(0o755)
+        paths = lay_out_like_systemd(unit, root)
+        configs = []
+        for line in directives(unit):
+            if line.startswith(("ExecStart=", "ExecStartPre=")):
+                argv = shlex.split(line.split("=", 1)[1])
+                configs += [argv[i + 1] for i, arg in enumerate(argv[:-1])
+                            if arg in ("--config", "check")]
+        assert configs
+        for config in configs:
+            for placeholder, real in paths.items():
+                config = config.replace(placeholder, str(real))
+            read = subprocess.run(
+                ["setpriv", f"--reuid={SERVICE_UID}", f"--regid={SERVICE_UID}",
+                 "--clear-groups", "cat", config],
+                capture_output=True, text=True, timeout=30, check=False)
+            assert read.returncode == 0, f"{unit}: the service user cannot read {config}: " \
+                                         f"{read.stderr.strip()}"
+            shipped = "examples/" + Path(config).name
+            assert read.stdout == (SYSTEMD.parent / shipped).read_text()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
