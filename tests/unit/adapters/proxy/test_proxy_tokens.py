@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from adapters.proxy.app import ProxyServer
+from adapters.proxy.config import parse_config
 from adapters.proxy.openai import Endpoint, parse_completion_request
 from adapters.proxy.tokens import (
     MESSAGE_OVERHEAD_TOKENS,
@@ -132,3 +134,21 @@ def test_release_trues_up_the_prompt_charge(output: int, charged: int, reported:
     """The output count reported at release moves the bucket's charge to the engine's own
     prompt count (within what the release can refund)."""
     assert trued_up_output_tokens(output, charged, reported) == used
+
+
+def _proxy_config(**proxy: object) -> dict:
+    return {"proxy": {"upstreams": ["http://127.0.0.1:9"], **proxy},
+            "tenants": {"etl": {"keys": ["k"], "class": "batch"}}}
+
+
+def test_the_proxy_counts_with_the_configured_tokenizer(tokenizer_json: str) -> None:
+    """`proxy.tokenizer_path` makes the proxy charge by that tokenizer; a bad path stops it
+    at start-up with the key named."""
+    server = ProxyServer(parse_config(_proxy_config(tokenizer_path=tokenizer_json)),
+                         gate=None)  # type: ignore[arg-type]
+    assert server.counter.count_text("hello world") == 2
+    default = ProxyServer(parse_config(_proxy_config()), gate=None)  # type: ignore[arg-type]
+    assert default.counter.count_text("hello world") == len("hello world")
+    with pytest.raises(ConfigError, match=r"proxy\.tokenizer_path"):
+        ProxyServer(parse_config(_proxy_config(tokenizer_path="/nonexistent/tokenizer.json")),
+                    gate=None)  # type: ignore[arg-type]
