@@ -32,7 +32,9 @@ ENV_PREFIX = "BORROWD_"
 ENV_SECTIONS = ("daemon", "redis", "prometheus")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 POOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-DURATION = re.compile(r"^[1-9][0-9]*(s|m)$")
+# The windows deploy/prometheus/borrowd.rules.yml records (groups borrowd-15s, borrowd-1m): a
+# window without its rules would leave every query empty and the daemon in failsafe.
+RULE_WINDOWS = ("15s", "1m")
 # The host is required: binding every interface must be written out ("0.0.0.0:9105").
 HOST_PORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):([0-9]{1,5})$")
 
@@ -98,7 +100,10 @@ class PrometheusConfig:
         metadata=meta(
             "duration",
             "window of the recording rules read (15s needs scrape <= 5 s, 1m needs <= 15 s)",
-            pattern=DURATION.pattern,
+            pattern=f"^({'|'.join(RULE_WINDOWS)})$",
+            pattern_help=f"deploy/prometheus/borrowd.rules.yml records only the windows "
+            f"{' and '.join(RULE_WINDOWS)}: no rule pool_class:borrowd_proxy_ttft_seconds:"
+            "p95_rate<window> (and the others the daemon reads) exists for another",
         ),
     )
 

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from controller.config import RULE_WINDOWS, config_from_mapping
 from controller.prom_source import pool_queries
+from models.errors import ConfigError
 
 DEPLOY = Path(__file__).resolve().parents[3] / "deploy" / "prometheus"
 
@@ -53,7 +55,17 @@ def test_example_config_is_valid(tmp_path: Path) -> None:
 def test_every_query_reads_a_recorded_series() -> None:
     """Each recorded series the daemon queries is defined in the rules file, for both windows."""
     text = (DEPLOY / "borrowd.rules.yml").read_text()
-    for window in ("15s", "1m"):
+    for window in RULE_WINDOWS:
         for query in pool_queries("chat", window):
             name = query.expr.split("{", 1)[0]
             assert f"record: {name}\n" in text, name
+
+
+@pytest.mark.parametrize("window", ["30s", "5m", "15m"])
+def test_a_window_without_rules_is_refused_naming_them(window: str) -> None:
+    """`prometheus.window` other than the rules' windows fails `config check`, naming the rule
+    file and a rule, instead of leaving the daemon in failsafe on empty queries."""
+    with pytest.raises(ConfigError, match=r"prometheus\.window: bad value .*borrowd\.rules\.yml "
+                                          r"records only the windows 15s and 1m: no rule "
+                                          r"pool_class:borrowd_proxy_ttft_seconds:p95_rate"):
+        config_from_mapping({"prometheus": {"window": window}, "pools": [{"name": "chat"}]})
