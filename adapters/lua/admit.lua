@@ -47,11 +47,11 @@ local cost = prompt + out
 if cost > burst or cost > max_kv then return deny('too_large', retry_ms) end
 
 if redis.call('ZCARD', k_leases) >= max_seqs then return deny('seq_cap', retry_ms) end
-local kv = kv_tokens(k_state, k_reqs)
+-- One read and one write of the gate state keep the script short.
+local st = redis.call('HMGET', k_state, 'tokens', 'ts_ms', 'counter', 'kv_tokens')
+local kv = kv_tokens(k_state, k_reqs, st[4])
 if kv + cost > max_kv then return deny('kv_cap', retry_ms) end
 
--- One read and one write of the bucket keep the script short.
-local st = redis.call('HMGET', k_state, 'tokens', 'ts_ms', 'counter')
 local tokens, ts = refill_from(st[1], st[2], now_ms, rate, burst)
 if tokens < cost then return deny('rate', (cost - tokens) * 1000.0 / rate) end
 local counter_n = (parse_int(st[3] or '0') or 0) + 1

@@ -14,7 +14,6 @@ local MAX_NUMBER = 1e15
 local MAX_RECORD_TTL_MS = 3600000
 -- Furthest a publish may move the epoch counter forward (fencing tokens come from INCR).
 local MAX_EPOCH_JUMP = 1000000
-local MODES = {open = true, ramp = true, closed = true, stopped = true, failsafe = true}
 
 local function parse_number(text)
   if type(text) ~= 'string' then return nil end
@@ -76,39 +75,37 @@ local function pool_of(key)
   return string.match(key, '{(.*)}')
 end
 
-local RECORD_FIELDS = {'schema', 'pool', 'mode', 'epoch', 'seq', 'issued_at', 'ttl_ms',
-  'batch_tokens_per_s', 'batch_burst_tokens', 'max_batch_seqs', 'max_batch_kv_tokens',
-  'max_batch_output_tokens'}
-local RECORD_INTS = {'epoch', 'seq', 'ttl_ms', 'batch_burst_tokens', 'max_batch_seqs',
-  'max_batch_kv_tokens', 'max_batch_output_tokens'}
-local RECORD_NUMBERS = {'issued_at', 'batch_tokens_per_s'}
-
--- A record's fields (name -> text) checked and parsed: the record, or nil and why
--- ('no_budget' | 'foreign_schema' | 'malformed'). Budget.from_fields is the same rule.
-local function check_record(f, pool, schema)
-  if f.schema == nil then return nil, 'no_budget' end
-  if f.schema ~= schema then return nil, 'foreign_schema' end
-  if f.pool ~= pool or not MODES[f.mode] then return nil, 'malformed' end
-  local r = {mode = f.mode}
-  for _, name in ipairs(RECORD_INTS) do
-    r[name] = parse_int(f[name])
-    if r[name] == nil or r[name] < 0 then return nil, 'malformed' end
+-- A record's fields, in this order: schema, pool, mode, epoch, seq, issued_at, ttl_ms,
+-- batch_tokens_per_s, batch_burst_tokens, max_batch_seqs, max_batch_kv_tokens,
+-- max_batch_output_tokens (HMGET order; no tables of names, every call pays for those).
+-- Checked and parsed: the record, or nil and why ('no_budget' | 'foreign_schema' |
+-- 'malformed'). Budget.from_fields is the same rule.
+local function check_record(v, pool, schema)
+  if not v[1] then return nil, 'no_budget' end
+  if v[1] ~= schema then return nil, 'foreign_schema' end
+  local mode = v[3]
+  if v[2] ~= pool or not (mode == 'open' or mode == 'ramp' or mode == 'closed'
+      or mode == 'stopped' or mode == 'failsafe') then
+    return nil, 'malformed'
   end
-  for _, name in ipairs(RECORD_NUMBERS) do
-    r[name] = parse_number(f[name])
-    if r[name] == nil or r[name] < 0 then return nil, 'malformed' end
+  local epoch, seq, ttl_ms = parse_int(v[4]), parse_int(v[5]), parse_int(v[7])
+  local issued_at, rate = parse_number(v[6]), parse_number(v[8])
+  local burst, seqs, kv, out = parse_int(v[9]), parse_int(v[10]), parse_int(v[11]), parse_int(v[12])
+  if not (epoch and seq and ttl_ms and issued_at and rate and burst and seqs and kv and out)
+      or epoch < 0 or seq < 0 or issued_at < 0 or rate < 0 or burst < 0 or seqs < 0 or kv < 0
+      or out < 0 or ttl_ms <= 0 or ttl_ms > MAX_RECORD_TTL_MS then
+    return nil, 'malformed'
   end
-  if r.ttl_ms == 0 or r.ttl_ms > MAX_RECORD_TTL_MS then return nil, 'malformed' end
-  return r, 'ok'
+  return {mode = mode, epoch = epoch, seq = seq, issued_at = issued_at, ttl_ms = ttl_ms,
+    batch_tokens_per_s = rate, batch_burst_tokens = burst, max_batch_seqs = seqs,
+    max_batch_kv_tokens = kv, max_batch_output_tokens = out}, 'ok'
 end
 
 local function read_record(k_budget, schema)
-  local values = redis.call('HMGET', k_budget, unpack(RECORD_FIELDS))
-  local f = {}
-  for i, name in ipairs(RECORD_FIELDS) do
-    if values[i] then f[name] = values[i] end
-  end
-  return check_record(f, pool_of(k_budget), schema)
+  local v = redis.call('HMGET', k_budget, 'schema', 'pool', 'mode', 'epoch', 'seq', 'issued_at',
+    'ttl_ms', 'batch_tokens_per_s', 'batch_burst_tokens', 'max_batch_seqs',
+    'max_batch_kv_tokens', 'max_batch_output_tokens')
+  return check_record(v, pool_of(k_budget), schema)
 end
 
 -- The record's own lease holds at now_ms: issued_at <= now + ttl (not from the future) and
@@ -128,9 +125,11 @@ local function sum_reservations(k_reqs)
   return total
 end
 
--- Reserved KV tokens; recomputed from the reservations when the stored sum is malformed.
-local function kv_tokens(k_state, k_reqs)
-  local kv = parse_int(redis.call('HGET', k_state, 'kv_tokens') or '0')
+-- Reserved KV tokens from their stored sum `text` (read here when not given); recomputed
+-- from the reservations when the stored sum is malformed.
+local function kv_tokens(k_state, k_reqs, text)
+  if text == nil then text = redis.call('HGET', k_state, 'kv_tokens') end
+  local kv = parse_int(text or '0')
   if kv == nil or kv < 0 then
     kv = sum_reservations(k_reqs)
     redis.call('HSET', k_state, 'kv_tokens', kv)
@@ -139,23 +138,23 @@ local function kv_tokens(k_state, k_reqs)
 end
 
 -- Forget in-flight request `ids` (a malformed entry frees nothing but never stops the
--- reaping); keep the KV sum right. Returns the tokens freed.
+-- reaping); keep the KV sum right (recomputed when it or an entry is malformed). Returns
+-- the tokens freed.
 local function drop_requests(k_leases, k_order, k_reqs, k_state, ids)
   local freed, broken = 0, false
-  for _, id in ipairs(ids) do
-    local entry = redis.call('HGET', k_reqs, id)
+  for _, entry in ipairs(redis.call('HMGET', k_reqs, unpack(ids))) do
     if entry then
       local reserved = parse_entry(entry)
       if reserved then freed = freed + reserved else broken = true end
     end
   end
-  local kv = kv_tokens(k_state, k_reqs)
   redis.call('ZREM', k_leases, unpack(ids))
   redis.call('ZREM', k_order, unpack(ids))
   redis.call('HDEL', k_reqs, unpack(ids))
-  kv = kv - freed
-  if broken or kv < 0 then kv = sum_reservations(k_reqs) end
-  redis.call('HSET', k_state, 'kv_tokens', kv)
+  local kv = redis.pcall('HINCRBY', k_state, 'kv_tokens', -freed)
+  if broken or type(kv) ~= 'number' or kv < 0 or kv > MAX_NUMBER then
+    redis.call('HSET', k_state, 'kv_tokens', sum_reservations(k_reqs))
+  end
   return freed
 end
 

@@ -58,7 +58,9 @@ rec.epoch = tostring(epoch)
 rec.seq = tostring(redis.call('INCR', k_seq))
 rec.issued_at = ARGV[6]
 rec.ttl_ms = tostring(ttl_ms)
-local caps = check_record(rec, pool_of(k_budget), schema)
+local caps = check_record({rec.schema, rec.pool, rec.mode, rec.epoch, rec.seq, rec.issued_at,
+  rec.ttl_ms, rec.batch_tokens_per_s, rec.batch_burst_tokens, rec.max_batch_seqs,
+  rec.max_batch_kv_tokens, rec.max_batch_output_tokens}, pool_of(k_budget), schema)
 if caps == nil then error(redis.error_reply('ERR borrowd: the record to publish is malformed')) end
 
 local flat = {}
