@@ -12,12 +12,16 @@ import argparse
 import math
 from datetime import datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from controller.policy import ControllerConfig, smooth_step
 from models.errors import InputError
 from models.plant.model import FitCriteria, PlantModel, identify_plant
+
+if TYPE_CHECKING:
+    from controller.tuning import LoopReport
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -169,29 +173,51 @@ def run_tune(args: argparse.Namespace) -> int:
         print(f"step plot written to {args.plot}")
     if args.write_config:
         binding = min(reports, key=lambda r: r.gains.kp)
-        args.write_config.write_text(
-            "# PI gains from `borrowd tune` (the most cautious loop: "
-            f"{binding.output}); put this table under a pool's controller.\n"
-            "[controller.pi]\n"
-            f'method = "{args.method}"\n'
-            f"tc_s = {float(args.tc)!r}\n"
-            f"kp_tokens_per_s = {binding.gains.kp!r}\n"
-            f"ki_tokens_per_s2 = {binding.gains.ki_per_s!r}\n"
-        )
-        print(f"gains written to {args.write_config}")
+        args.write_config.write_text(pi_table(binding, args.method, float(args.tc), args.plant))
+        print(f"gains written to {args.write_config} (append it to the pool's [[pools]] "
+              "table in borrowd.toml)")
     return 0
 
 
-def plot_steps(reports: list, path: Path) -> None:
-    """Closed-loop unit steps of every output in one PNG."""
+def pi_table(binding: LoopReport, method: str, tc_s: float, plant: Path) -> str:
+    """The `[pools.controller.pi]` table borrowd.toml takes, for the pool whose [[pools]]
+    entry it is appended to (TOML gives a sub-table to the array entry above it)."""
+    return (
+        f"# PI gains from `borrowd tune --plant {plant}` (the most cautious loop: "
+        f"{binding.output}).\n"
+        "# Append under the pool's [[pools]] table in borrowd.toml.\n"
+        "[pools.controller.pi]\n"
+        f'method = "{method}"\n'
+        f"tc_s = {tc_s!r}\n"
+        f"kp_tokens_per_s = {binding.gains.kp!r}\n"
+        f"ki_tokens_per_s2 = {binding.gains.ki_per_s!r}\n"
+    )
+
+
+def step_plot_span_s(reports: list[LoopReport]) -> float:
+    """Time shown by the step plot: 1.5 x the slowest loop's settling time (the rest is the
+    settled line), or the whole simulated response when a loop does not settle in it."""
+    end_s = max(float(r.step_t_s[-1]) for r in reports)
+    settle_s = [r.settling_time_s for r in reports]
+    if not all(math.isfinite(t) and t > 0 for t in settle_s):
+        return end_s
+    return min(end_s, 1.5 * max(settle_s))
+
+
+def plot_steps(reports: list[LoopReport], path: Path) -> None:
+    """Closed-loop unit steps of every output in one PNG, cut to `step_plot_span_s`."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    span_s = step_plot_span_s(reports)
     fig, ax = plt.subplots(figsize=(7, 4))
     for r in reports:
-        ax.plot(r.step_t_s, r.step_y, label=f"{r.output} (kp {r.gains.kp:.3g})")
+        shown = r.step_t_s <= span_s
+        ax.plot(r.step_t_s[shown], r.step_y[shown],
+                label=f"{r.output} (kp {r.gains.kp:.3g}, settles {r.settling_time_s:.0f} s)")
+    ax.set_xlim(0.0, span_s)
     ax.set_xlabel("time (s)")
     ax.set_ylabel("output / setpoint step")
     ax.set_title("closed-loop step response")

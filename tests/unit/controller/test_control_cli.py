@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ import pytest
 from controller.cli import main
 from models.plant.excitation import prbs
 from models.plant.fopdt import simulate_fopdt
-from models.plant.model import identify_plant
+from models.plant.model import PlantModel, identify_plant
 
 
 @pytest.fixture
@@ -43,7 +44,34 @@ def test_tune_prints_gains_margins_and_step_figures(plant_file, tmp_path, capsys
     gain_margin, phase_margin = float(rows["ttft"][3]), float(rows["ttft"][4])
     assert gain_margin > 1.5 and 30.0 < phase_margin < 90.0
     assert png.stat().st_size > 0
-    assert "[controller.pi]" in toml.read_text() and "kp_tokens_per_s" in toml.read_text()
+    assert "[pools.controller.pi]" in toml.read_text()
+
+
+def test_written_gains_load_into_borrowd_toml(plant_file, tmp_path, capsys):
+    """The --write-config table, appended to a pool's [[pools]] table, is accepted by
+    `borrowd config check` and sets that pool's PI gains."""
+    table = tmp_path / "gains.toml"
+    assert main(["tune", "--plant", str(plant_file), "--write-config", str(table)]) == 0
+    written = tomllib.loads(table.read_text())["pools"]["controller"]["pi"]
+    config = tmp_path / "borrowd.toml"
+    config.write_text('[[pools]]\nname = "chat"\n' + table.read_text())
+    capsys.readouterr()
+    assert main(["config", "check", str(config)]) == 0, capsys.readouterr().err
+    pi = tomllib.loads(config.read_text())["pools"][0]["controller"]["pi"]
+    assert pi == written and pi["kp_tokens_per_s"] > 0
+
+
+def test_step_plot_shows_the_informative_part(plant_file):
+    """The step plot spans 1.5x the slowest settling time, not the 10x-time-constant
+    simulation that was mostly a flat line."""
+    from controller.cli.control import step_plot_span_s
+    from controller.tuning import analyse_loop
+
+    plant = PlantModel.load(plant_file)
+    reports = [analyse_loop(plant, o.name, "simc", 0.0, 1.0) for o in plant.outputs]
+    span_s = step_plot_span_s(reports)
+    assert span_s == pytest.approx(1.5 * max(r.settling_time_s for r in reports))
+    assert span_s < 0.5 * reports[0].step_t_s[-1]
 
 
 @pytest.mark.parametrize(
