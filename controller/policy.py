@@ -1,6 +1,6 @@
 """The control policy of one pool: a registered law in its wrappers, the supervisor, the caps.
 
-    obs -> Smoothed( FeedForward( GainScheduled( law ) ) )       law: pi | mpc | slack | ...
+    obs -> Smoothed( UseValidated( FeedForward( GainScheduled( law ) ) ) )   law: pi | mpc | ...
         -> supervisor (modes, cuts, hysteresis, ramp, failsafe) -> Capped -> Budget
 
 Laws are looked up by name in `controller.laws.registry`; smoothing
@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 
+from controller.burn import BurnConfig
 from controller.caps import Capped, CapsConfig, derive_budget
 from controller.laws.base import OUTPUTS, Law, LawSettings, LawTick
 from controller.laws.feedforward import FeedForwardConfig
@@ -29,8 +30,15 @@ from controller.laws.pi import PiConfig
 from controller.laws.registry import build_law, law_names
 from controller.laws.slack import SlackConfig
 from controller.laws.smoothing import Smoothed, SmoothingConfig, smooth_step
+from controller.laws.validation import UseValidated, ValidationConfig
 from controller.laws.wrappers import FeedForward, GainScheduled, ScheduleConfig
-from controller.supervisor import ModeEvent, SupervisorConfig, SupervisorState, supervise
+from controller.supervisor import (
+    NO_BURNS,
+    ModeEvent,
+    SupervisorConfig,
+    SupervisorState,
+    supervise,
+)
 from models.budget import Budget
 from models.errors import ConfigError
 from models.plant.model import PlantModel
@@ -91,9 +99,9 @@ class ControllerConfig:
             ),
         },
     )
-    burn_filter_s: float = field(
-        default=10.0,
-        metadata={"unit": "s", "help": "smoothing time constant of the SLO burn signals"},
+    burn: BurnConfig = field(
+        default_factory=BurnConfig,
+        metadata={"unit": "table", "help": "SLO burn windows, sample counts and bounds"},
     )
     pi: PiConfig = field(default_factory=PiConfig, metadata={"unit": "table", "help": "PI law"})
     mpc: MpcConfig = field(
@@ -115,6 +123,10 @@ class ControllerConfig:
     schedule: ScheduleConfig = field(
         default_factory=ScheduleConfig, metadata={"unit": "table", "help": "gain scheduling"}
     )
+    validation: ValidationConfig = field(
+        default_factory=ValidationConfig,
+        metadata={"unit": "table", "help": "budget growth only on batch work actually carried"},
+    )
 
     def __post_init__(self) -> None:
         if self.law not in law_names():
@@ -126,7 +138,6 @@ class ControllerConfig:
             "u_max_tokens_per_s",
             "filter_rise_s",
             "filter_fall_s",
-            "burn_filter_s",
         )
         for name in positive:
             if getattr(self, name) <= 0:
@@ -156,7 +167,7 @@ class ControllerConfig:
     def smoothing(self) -> SmoothingConfig:
         """The smoothing wrapper's settings."""
         return SmoothingConfig(self.slo(), self.filter_rise_s, self.filter_fall_s,
-                               self.burn_filter_s, self.control_on_burn)
+                               self.burn, self.control_on_burn)
 
 
 @dataclass(frozen=True)
@@ -168,12 +179,14 @@ class Decision:
     events: tuple[ModeEvent, ...]
 
 
-def wrapped_law(config: ControllerConfig, plant: PlantModel | None) -> Law:
-    """The configured law inside its wrappers: smoothing, feed-forward, gain schedule."""
+def wrapped_law(config: ControllerConfig, plant: PlantModel | None) -> Smoothed:
+    """The configured law inside its wrappers: smoothing, use validation, feed-forward, gain
+    schedule."""
     settings = config.law_settings(plant)
-    law = build_law(config.law, settings)
+    law: Law = build_law(config.law, settings)
     law = GainScheduled(law, config.schedule, settings)
     law = FeedForward(law, config.feedforward, config.tick_s)
+    law = UseValidated(law, config.validation, config.u_max_tokens_per_s)
     return Smoothed(law, config.smoothing())
 
 
@@ -199,9 +212,10 @@ class ControllerPolicy:
         tick = LawTick(obs, (obs.ttft_norm(self.slo), obs.itl_norm(self.slo)), self.u_applied,
                        dt_s)
         proposal = self.law.propose(tick)
+        burns = self.law.readings if self.config.control_on_burn else NO_BURNS
         decision = supervise(
             self.config.supervisor, self.sup_state, proposal.tick.obs, self.slo,
-            proposal.u_tokens_per_s, dt_s, now_s, stopped=stopped,
+            proposal.u_tokens_per_s, dt_s, now_s, stopped=stopped, burns=burns,
         )
         self.sup_state = decision.state
         self.law.applied(proposal.tick, decision.u)

@@ -3,13 +3,23 @@
     open     the law sets the budget
     ramp     reopening: budget = min(law, ramp), ramp += slew * dt, until the cap or the law binds
     closed   budget 0: entered at once when an SLO burns, KV usage passes its limit or the
-             oldest interactive wait passes its limit; left only after every signal has stayed
-             under its (lower) reopen threshold for `quiet_s`, into ramp. A cut on a p95 under
-             `revoke_factor` x its cut threshold only stops admission (`revoke` false: the
-             in-flight batch work drains); every other cut also revokes in-flight work
+             oldest interactive wait passes its limit (a multiple of the TTFT SLO); left only
+             after every signal has stayed under its (lower) reopen threshold for `quiet_s`,
+             into ramp
     stopped  budget 0 while the operator's stop switch is set; left into closed
     failsafe budget at the floor (0 by default) while any required signal is missing, NaN or
-             stale; left into closed
+             stale; left into closed. A window without interactive traffic is not missing:
+             nothing to protect is a safe reading
+
+Where the policy passes burn readings (`controller.burn`: sample counts, Wilson bounds, fast
+and slow windows), a burn cuts as multiwindow burn-rate alerting pages: the fast window must
+be past the cut with confidence (its lower bound over the SLO's edge) while the slow window
+(the SLO's own 60 s) has spent `cut_slow_burn` of its budget, or the fast lower bound alone
+must be severe (`revoke_factor` x the cut). One slow step among a handful of gaps cuts
+nothing. A cut stops admission and lets in-flight batch drain; it also revokes (`revoke`)
+only when KV is about to run out, or when the burn (or the interactive wait) is severe and
+batch caused most of it (`revoke_batch_share` of the gaps above the SLO fell in steps carrying
+batch tokens, or of the interactive queue wait passed in them).
 
 `supervise` is pure: it takes the state and the time and returns the new state, the budget
 and every transition as a `ModeEvent` with its reason, for the caller to log.
@@ -20,6 +30,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from controller.burn import BurnReading
 from models.budget import Mode
 from models.errors import ConfigError
 from models.signals import Observation, Slo
@@ -82,18 +93,39 @@ class SupervisorConfig:
     reopen_kv_frac: float = field(
         default=0.90, metadata={"unit": "fraction of KV cache", "help": "quiet below"}
     )
-    cut_oldest_wait_s: float = field(
-        default=2.0, metadata={"unit": "s", "help": "cut when the oldest interactive wait is above"}
+    cut_oldest_wait_ttft_slo: float = field(
+        default=2.0,
+        metadata={"unit": "x p95 TTFT SLO", "help": "cut when the oldest interactive wait passes"},
     )
-    reopen_oldest_wait_s: float = field(
-        default=0.5, metadata={"unit": "s", "help": "quiet when the oldest wait is below"}
+    reopen_oldest_wait_ttft_slo: float = field(
+        default=0.5,
+        metadata={"unit": "x p95 TTFT SLO", "help": "quiet when the oldest wait is below"},
+    )
+    cut_slow_burn: float = field(
+        default=0.5,
+        metadata={
+            "unit": "share above SLO / 0.05",
+            "help": "a fast burn cuts once the slow (SLO) window has burnt this much",
+        },
+    )
+    revoke_batch_share: float = field(
+        default=0.5,
+        metadata={
+            "unit": "1",
+            "help": "a severe burn revokes batch when batch caused this share of it",
+            "min": 0.0,
+            "max": 1.0,
+        },
     )
     quiet_s: float = field(
         default=5.0, metadata={"unit": "s", "help": "quiet this long before reopening"}
     )
     revoke_factor: float = field(
         default=2.0,
-        metadata={"unit": "x cut threshold", "help": "a p95 this far over also revokes batch"},
+        metadata={
+            "unit": "x cut threshold",
+            "help": "a burn this far over cuts at once, and revokes batch when batch caused it",
+        },
     )
     ramp_start_frac: float = field(
         default=0.5,
@@ -123,7 +155,7 @@ class SupervisorConfig:
             ("cut_ttft_burn", "reopen_ttft_burn"),
             ("cut_itl_burn", "reopen_itl_burn"),
             ("cut_kv_frac", "reopen_kv_frac"),
-            ("cut_oldest_wait_s", "reopen_oldest_wait_s"),
+            ("cut_oldest_wait_ttft_slo", "reopen_oldest_wait_ttft_slo"),
         )
         for cut, reopen in pairs:
             if not 0 < getattr(self, reopen) < getattr(self, cut):
@@ -136,7 +168,7 @@ class SupervisorConfig:
                 "supervisor needs revoke_factor >= 1 and ramp_start_frac in [0, 1], got "
                 f"{self.revoke_factor!r}, {self.ramp_start_frac!r}"
             )
-        for name in ("quiet_s", "floor_tokens_per_s"):
+        for name in ("quiet_s", "floor_tokens_per_s", "cut_slow_burn"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"supervisor.{name} must be >= 0, got {getattr(self, name)!r}")
         for name in ("ramp_slew_tokens_per_s2", "ramp_cap_tokens_per_s", "max_age_s"):
@@ -182,80 +214,124 @@ class SupervisorDecision:
     revoke: bool
 
 
-# Quantiles and ratios over interactive requests have no value in a window without any; the
-# source says so with `interactive_requests == 0`, which is not a missing metric.
-PER_REQUEST_SIGNALS = ("ttft_p95_s", "itl_p95_s", "success_rate")
+Burns = tuple[BurnReading | None, BurnReading | None]  # (TTFT, ITL); None: not read
+NO_BURNS: Burns = (None, None)
 
 
 def missing_signals(obs: Observation, config: SupervisorConfig) -> list[str]:
     """Required signals that are NaN, and 'age' when the observation is stale.
 
-    A per-request signal (p95s, success rate) that is NaN because the window held no
-    interactive request (`interactive_requests == 0`) is not missing.
+    A per-request signal that is NaN because its window held no interactive sample (no
+    first token for TTFT, no inter-token gap for ITL, no request for the success rate) is
+    not missing: no traffic is a safe reading.
     """
-    idle = obs.interactive_requests == 0
+    idle = {
+        "ttft_p95_s": obs.ttft_idle(),
+        "itl_p95_s": obs.itl_idle(),
+        "success_rate": obs.interactive_requests == 0 or obs.ttft_idle(),
+    }
     missing = [
         name
         for name in config.required
-        if not math.isfinite(getattr(obs, name)) and not (idle and name in PER_REQUEST_SIGNALS)
+        if not math.isfinite(getattr(obs, name)) and not idle.get(name, False)
     ]
     if not math.isfinite(obs.age_s) or obs.age_s > config.max_age_s:
         missing.append(f"age {obs.age_s:.1f}s > {config.max_age_s:.1f}s")
     return missing
 
 
-def burning(obs: Observation, slo: Slo, config: SupervisorConfig) -> tuple[str, bool]:
+def burning(
+    obs: Observation, slo: Slo, config: SupervisorConfig, burns: Burns = NO_BURNS
+) -> tuple[str, bool]:
     """Why batch must be cut now ('' when nothing burns), and whether to revoke too.
 
     NaN signals do not burn here (`missing_signals` handles them).
     """
     severe = config.revoke_factor
-    ttft, itl = latency_checks(obs, slo, config, cut=True)
-    checks = (
-        (obs.kv_usage_frac, config.cut_kv_frac, "KV usage", True),
-        (obs.interactive_oldest_wait_s, config.cut_oldest_wait_s, "oldest wait s", True),
-        (*ttft, False),
-        (*itl, False),
-    )
-    for value, limit, label, always_revoke in checks:
+    if obs.kv_usage_frac >= config.cut_kv_frac:
+        return f"cut: KV usage {obs.kv_usage_frac:.3g} >= {config.cut_kv_frac:.3g}", True
+    wait_limit = config.cut_oldest_wait_ttft_slo * slo.ttft_p95_s
+    wait_by_batch = _caused(obs.interactive_wait_batch_frac, config)
+    if obs.interactive_oldest_wait_s >= wait_limit:
+        revoke = obs.interactive_oldest_wait_s >= severe * wait_limit and wait_by_batch
+        return f"cut: oldest wait {obs.interactive_oldest_wait_s:.3g}s >= {wait_limit:.3g}s", revoke
+    for name, reading in zip(("TTFT", "ITL"), burns, strict=True):
+        if reading is not None:
+            reason, revoke = _burn_cut(name, reading, config, wait_by_batch)
+            if reason:
+                return reason, revoke
+    ttft, itl = latency_checks(obs, slo, config, cut=True, burns=burns)
+    for value, limit, label in (ttft, itl):
         if value >= limit:
-            revoke = always_revoke or value >= severe * limit
-            return f"cut: {label} {value:.3g} >= {limit:.3g}", revoke
+            return f"cut: {label} {value:.3g} >= {limit:.3g}", False
     if obs.success_rate < slo.success_rate:
-        return f"cut: success rate {obs.success_rate:.4f} < {slo.success_rate:.4f}", True
+        return f"cut: success rate {obs.success_rate:.4f} < {slo.success_rate:.4f}", wait_by_batch
     return "", False
 
 
+def _caused(share: float, config: SupervisorConfig) -> bool:
+    """True when batch caused at least `revoke_batch_share` (unknown share: assume it did)."""
+    return not share < config.revoke_batch_share
+
+
+def _burn_cut(
+    name: str, reading: BurnReading, config: SupervisorConfig, wait_by_batch: bool
+) -> tuple[str, bool]:
+    """The multiwindow cut on one output's burn reading (module docstring)."""
+    cut = config.cut_ttft_burn if name == "TTFT" else config.cut_itl_burn
+    severe = config.revoke_factor * cut
+    fast_confident = reading.burn >= cut and reading.lower >= 1.0
+    slow_spent = reading.slow_burn >= config.cut_slow_burn
+    if not ((fast_confident and slow_spent) or reading.lower >= severe):
+        return "", False
+    share = reading.batch_share
+    by_batch = wait_by_batch if name == "TTFT" and math.isnan(share) else _caused(share, config)
+    revoke = reading.lower >= severe and by_batch
+    reason = (
+        f"cut: {name} burn {reading.burn:.3g} (>= {reading.lower:.3g} over "
+        f"{reading.samples:.0f} samples in {reading.window_s:.0f}s; {reading.slow_burn:.3g} over "
+        f"60s) >= {cut:.3g}"
+    )
+    return reason, revoke
+
+
 def latency_checks(
-    obs: Observation, slo: Slo, config: SupervisorConfig, *, cut: bool
+    obs: Observation, slo: Slo, config: SupervisorConfig, *, cut: bool, burns: Burns = NO_BURNS
 ) -> tuple[tuple[float, float, str], tuple[float, float, str]]:
-    """(value, cut or reopen threshold, label) for TTFT and ITL: the burn where it is
-    measured, else the p95 over its SLO."""
-    ttft_burn, itl_burn = obs.ttft_burn(), obs.itl_burn()
-    if math.isfinite(ttft_burn):
-        ttft = (ttft_burn, config.cut_ttft_burn if cut else config.reopen_ttft_burn, "TTFT burn")
-    else:
-        ttft = (obs.ttft_norm(slo), config.cut_ttft_norm if cut else config.reopen_ttft_norm,
-                "p95 TTFT/SLO")
-    if math.isfinite(itl_burn):
-        itl = (itl_burn, config.cut_itl_burn if cut else config.reopen_itl_burn, "ITL burn")
-    else:
-        itl = (obs.itl_norm(slo), config.cut_itl_norm if cut else config.reopen_itl_norm,
-               "p95 ITL/SLO")
-    return ttft, itl
+    """(value, cut or reopen threshold, label) for TTFT and ITL: the burn reading's fast burn
+    where read (NaN at a cut: `burning` judged it by both windows already), else the
+    observation's burn where measured, else the p95 over its SLO."""
+    out = []
+    pairs = (
+        ("TTFT", burns[0], obs.ttft_burn(), obs.ttft_norm(slo), config.cut_ttft_burn,
+         config.reopen_ttft_burn, config.cut_ttft_norm, config.reopen_ttft_norm),
+        ("ITL", burns[1], obs.itl_burn(), obs.itl_norm(slo), config.cut_itl_burn,
+         config.reopen_itl_burn, config.cut_itl_norm, config.reopen_itl_norm),
+    )
+    for label, reading, burn, norm, cut_b, reopen_b, cut_n, reopen_n in pairs:
+        if reading is not None:
+            value = math.nan if cut else reading.burn
+            out.append((value, cut_b if cut else reopen_b, f"{label} burn"))
+        elif math.isfinite(burn):
+            out.append((burn, cut_b if cut else reopen_b, f"{label} burn"))
+        else:
+            out.append((norm, cut_n if cut else reopen_n, f"p95 {label}/SLO"))
+    return out[0], out[1]
 
 
-def is_quiet(obs: Observation, slo: Slo, config: SupervisorConfig) -> bool:
+def is_quiet(obs: Observation, slo: Slo, config: SupervisorConfig, burns: Burns = NO_BURNS) -> bool:
     """True when every signal is under its reopen threshold (the lower side of hysteresis).
 
-    A per-request signal that is NaN (no interactive request in the window) counts as quiet.
+    A per-request signal that is NaN (no interactive sample in the window) counts as quiet.
     """
-    (ttft, ttft_limit, _), (itl, itl_limit, _) = latency_checks(obs, slo, config, cut=False)
+    (ttft, ttft_limit, _), (itl, itl_limit, _) = latency_checks(
+        obs, slo, config, cut=False, burns=burns
+    )
     return (
         not ttft >= ttft_limit
         and not itl >= itl_limit
         and obs.kv_usage_frac < config.reopen_kv_frac
-        and obs.interactive_oldest_wait_s < config.reopen_oldest_wait_s
+        and obs.interactive_oldest_wait_s < config.reopen_oldest_wait_ttft_slo * slo.ttft_p95_s
         and not obs.success_rate < slo.success_rate
     )
 
@@ -270,10 +346,12 @@ def supervise(
     now_s: float,
     *,
     stopped: bool = False,
+    burns: Burns = NO_BURNS,
 ) -> SupervisorDecision:
-    """One tick of supervision over the law's proposal `u_law` (see the module docstring)."""
-    new_state, u = _next(config, state, obs, slo, u_law, dt_s, now_s, stopped)
-    events = ()
+    """One tick of supervision over the law's proposal `u_law` (see the module docstring);
+    `burns` are the (TTFT, ITL) burn readings when the policy keeps them."""
+    new_state, u = _next(config, state, obs, slo, u_law, dt_s, now_s, stopped, burns)
+    events: tuple[ModeEvent, ...] = ()
     if new_state.mode != state.mode:
         events = (ModeEvent(now_s, state.mode, new_state.mode, new_state.reason),)
     return SupervisorDecision(
@@ -295,6 +373,7 @@ def _next(
     dt_s: float,
     now_s: float,
     stopped: bool,
+    burns: Burns,
 ) -> tuple[SupervisorState, float]:
     closed_since_now = SupervisorState(Mode.CLOSED, math.nan, 0.0, "")
     if stopped:
@@ -311,14 +390,14 @@ def _next(
         return SupervisorState(Mode.FAILSAFE, math.nan, 0.0, reason), config.floor_tokens_per_s
     if state.mode == Mode.FAILSAFE:
         return _with_reason(closed_since_now, "signals back: holding closed"), 0.0
-    burn, revoke = burning(obs, slo, config)
+    burn, revoke = burning(obs, slo, config, burns)
     if burn:
         if state.mode == Mode.CLOSED:
             revoke = revoke or state.revoke
             return replace(state, quiet_since_s=math.nan, revoke=revoke), 0.0
         return SupervisorState(Mode.CLOSED, math.nan, restart, burn, revoke), 0.0
     if state.mode == Mode.CLOSED:
-        if not is_quiet(obs, slo, config):
+        if not is_quiet(obs, slo, config, burns):
             return replace(state, quiet_since_s=math.nan), 0.0
         quiet_since = state.quiet_since_s if math.isfinite(state.quiet_since_s) else now_s
         if now_s - quiet_since < config.quiet_s:

@@ -29,8 +29,15 @@ class Observation:
     Latencies are interactive-class quantiles in seconds; `*_norm` helpers divide by the SLO
     so that 1.0 is the SLO line. `age_s` is how old the freshest sample behind these numbers
     is (staleness); a source that could not answer returns NaN fields. `*_over_slo_frac` is
-the share of interactive inter-token gaps (first tokens) in the window above the SLO: p95 <=
-SLO exactly when that share is <= 5%, and unlike the p95 it moves smoothly with load.
+    the share of interactive inter-token gaps (first tokens) in the window above the SLO: p95
+    <= SLO exactly when that share is <= 5%, and unlike the p95 it moves smoothly with load.
+
+    Windowed estimates know how much they know: `window_s` is the window behind them and
+    `itl_samples` / `ttft_samples` how many gaps / first tokens it held (0: no interactive
+    traffic, a safe reading; NaN: not counted). Attribution to batch: `itl_over_slo_batch_frac`
+    is the share of the gaps above the SLO that fell in steps carrying batch tokens, and
+    `interactive_wait_batch_frac` the share of interactive queue wait spent in steps carrying
+    batch tokens.
     """
 
     now_s: float
@@ -48,6 +55,11 @@ SLO exactly when that share is <= 5%, and unlike the p95 it moves smoothly with 
     interactive_requests: float = NAN
     itl_over_slo_frac: float = NAN
     ttft_over_slo_frac: float = NAN
+    window_s: float = NAN
+    itl_samples: float = NAN
+    ttft_samples: float = NAN
+    itl_over_slo_batch_frac: float = NAN
+    interactive_wait_batch_frac: float = NAN
 
     def missing(self) -> list[str]:
         """Names of the fields that are NaN (not measured)."""
@@ -64,6 +76,18 @@ SLO exactly when that share is <= 5%, and unlike the p95 it moves smoothly with 
     def itl_norm(self, slo: Slo) -> float:
         """p95 ITL divided by its SLO."""
         return self.itl_p95_s / slo.itl_p95_s
+
+    def itl_idle(self) -> bool:
+        """True when the window held no interactive inter-token gap (nothing to measure)."""
+        return self.itl_samples == 0 or (
+            math.isnan(self.itl_samples) and self.interactive_requests == 0
+        )
+
+    def ttft_idle(self) -> bool:
+        """True when the window held no interactive first token (nothing to measure)."""
+        return self.ttft_samples == 0 or (
+            math.isnan(self.ttft_samples) and self.interactive_requests == 0
+        )
 
     def itl_burn(self) -> float:
         """Share of inter-token gaps above the ITL SLO over the share the p95 allows (1.0: edge)."""

@@ -31,6 +31,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "controller.cli.serve",
     "controller.cli.control",
     "controller.cli.batch",
+    "controller.cli.report",
 )
 
 

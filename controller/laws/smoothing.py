@@ -2,7 +2,10 @@
 
     y[k] = y[k-1] + (1 - exp(-dt / tau)) * (raw[k] - y[k-1])
     tau  = rise_s when raw > y[k-1], else fall_s          (p95s: errs on the safe side)
-    tau  = burn_filter_s                                  (SLO burns)
+
+The SLO burns are not filtered but counted (`controller.burn`): each tick's samples go into
+a window that lengthens while it holds too few of them, with Wilson bounds, and a slow
+window beside it; the law tracks the fast burn, the supervisor reads both (`readings`).
 
 A short sliding-window p95 over a few requests is noisy; the smoothing rises faster than it
 falls. A window without interactive requests holds the smoothed value; a p95 missing for any
@@ -15,6 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from controller.burn import BurnConfig, BurnReading, BurnWindow
 from controller.laws.base import NAN_PER_OUTPUT, Law, LawTick, Proposal
 from models.signals import SLO_QUANTILE, Observation, Slo
 
@@ -39,7 +43,7 @@ class SmoothingConfig:
     slo: Slo
     rise_s: float
     fall_s: float
-    burn_filter_s: float
+    burn: BurnConfig
     control_on_burn: bool
 
 
@@ -51,6 +55,8 @@ class Smoothed:
         self.config = config
         self.smoothed: tuple[float, ...] = (math.nan, math.nan)
         self.burns: tuple[float, ...] = NAN_PER_OUTPUT
+        self.windows = (BurnWindow(config.burn), BurnWindow(config.burn))
+        self.readings: tuple[BurnReading | None, BurnReading | None] = (None, None)
         self.last_success_rate = math.nan
 
     def propose(self, tick: LawTick) -> Proposal:
@@ -75,9 +81,10 @@ class Smoothed:
         (the shares NaN when `control_on_burn` is off)."""
         cfg = self.config
         values = []
-        for raw, prev in zip((obs.ttft_p95_s, obs.itl_p95_s), self.smoothed, strict=True):
+        for raw, prev, idle in zip((obs.ttft_p95_s, obs.itl_p95_s), self.smoothed,
+                                   (obs.ttft_idle(), obs.itl_idle()), strict=True):
             if not math.isfinite(raw):
-                values.append(prev if obs.interactive_requests == 0 else math.nan)
+                values.append(prev if idle else math.nan)
                 continue
             values.append(smooth_step(prev, raw, dt_s, cfg.rise_s, cfg.fall_s))
         self.smoothed = tuple(
@@ -102,10 +109,19 @@ class Smoothed:
         )
 
     def _smooth_burns(self, obs: Observation, dt_s: float) -> None:
-        """Fold this window's SLO burns into their exponential smoothing (NaN: hold)."""
-        tau_s = self.config.burn_filter_s
-        raws = (obs.ttft_burn(), obs.itl_burn())
-        self.burns = tuple(
-            smooth_step(prev, raw, dt_s, tau_s, tau_s)
-            for prev, raw in zip(self.burns, raws, strict=True)
+        """Count this window's samples above the SLOs into the burn windows; the fast burns
+        become what the law tracks (NaN until a window has a measured sample)."""
+        counted = (
+            (obs.ttft_over_slo_frac, obs.ttft_samples, obs.interactive_wait_batch_frac),
+            (obs.itl_over_slo_frac, obs.itl_samples, obs.itl_over_slo_batch_frac),
         )
+        readings: list[BurnReading | None] = []
+        for window, (share, samples, batch), prev in zip(
+            self.windows, counted, self.readings, strict=True
+        ):
+            if window.add(obs.now_s, share, samples, obs.window_s, dt_s, batch):
+                readings.append(window.reading(obs.now_s))
+            else:
+                readings.append(prev)
+        self.readings = (readings[0], readings[1])
+        self.burns = tuple(r.burn if r is not None else math.nan for r in self.readings)

@@ -166,6 +166,7 @@ class StepResult:
     running_batch: int
     span_steps: int = 1
     span_step_growth_s: float = 0.0
+    interactive_waiting: int = 0  # interactive requests queued or mid-prefill in this step
 
     def step_durations_s(self) -> list[float]:
         """Duration of each step this result covers (one, or a decode span's steps)."""
@@ -528,12 +529,14 @@ class Engine:
         itl_other: list[float] = []
         steady = 0
         btok = 0
+        prefilling = 0
         for req, n in out.scheduled:
             interactive = req.klass is INTERACTIVE or req.klass == INTERACTIVE
             if not interactive:
                 btok += n
             out_tokens = req.output_tokens
             if req.computed_tokens != req.prompt_tokens + out_tokens:
+                prefilling += interactive
                 continue
             out_tokens += 1
             req.output_tokens = out_tokens
@@ -575,6 +578,7 @@ class Engine:
             itl_other_s=itl_other,
             running_interactive=self._running_count[INTERACTIVE],
             running_batch=self._running_count[BATCH],
+            interactive_waiting=self._waiting_count[INTERACTIVE] + prefilling,
         )
 
     def step(self, start_s: float) -> StepResult | None:

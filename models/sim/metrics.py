@@ -60,6 +60,7 @@ class Recorder:
         self.itl_t: list[float] = []
         self.itl_s: list[float] = []
         self.itl_w: list[int] = []
+        self.itl_batch: list[bool] = []
         self.outcome_t: list[float] = []
         self.outcome_ok: list[bool] = []
         self.busy_s_per_s = [0.0] * n
@@ -67,6 +68,8 @@ class Recorder:
         self.interactive_offered_per_s = [0] * n
         self.preemptions_per_s = [0] * n
         self.batch_done_tokens_per_s = [0] * n
+        self.interactive_wait_s_per_s = [0.0] * n
+        self.interactive_wait_batch_s_per_s = [0.0] * n
 
     def window_slice(self, t: list[float], t0: float, t1: float) -> tuple[int, int]:
         """Index range of samples with t0 < time <= t1."""
@@ -104,6 +107,19 @@ class Recorder:
             weighted_share_above(itl, w, slo.itl_p95_s),
             weighted_share_above(ttft, np.ones(len(ttft)), slo.ttft_p95_s),
         )
+
+
+    def slo_samples(self, t0: float, t1: float, slo: Slo) -> tuple[float, float, float]:
+        """(ITL gaps, first tokens, share of the gaps above the ITL SLO that fell in steps
+        carrying batch tokens; NaN when none is above) over (t0, t1]."""
+        a, b = self.window_slice(self.ttft_t, t0, t1)
+        c, d = self.window_slice(self.itl_t, t0, t1)
+        itl = np.asarray(self.itl_s[c:d])
+        w = np.asarray(self.itl_w[c:d], dtype=float)
+        over = itl > slo.itl_p95_s
+        over_w = float(np.sum(w[over]))
+        caused = float(np.sum(w[over & np.asarray(self.itl_batch[c:d], dtype=bool)]))
+        return float(np.sum(w)), float(b - a), caused / over_w if over_w > 0 else NAN
 
 
 def slo_met(fig: dict[str, float], slo: Slo) -> bool:

@@ -229,14 +229,22 @@ class Simulation:
             sec = len(rec.busy_s_per_s) - 1
         self.busy_s += res.duration_s
         rec.busy_s_per_s[sec] += res.duration_s
-        if res.batch_tokens:
+        with_batch = res.batch_tokens > 0
+        if with_batch:
             rec.batch_tokens_per_s[sec] += res.batch_tokens
             self.batch_computed_tokens += res.batch_tokens
+        if res.interactive_waiting:
+            # Attribution: interactive queue wait spent in steps carrying batch tokens.
+            waited = res.interactive_waiting * res.duration_s
+            rec.interactive_wait_s_per_s[sec] += waited
+            if with_batch:
+                rec.interactive_wait_batch_s_per_s[sec] += waited
         if res.itl_steady:
             if res.span_steps == 1:
                 rec.itl_t.append(end)
                 rec.itl_s.append(res.duration_s)
                 rec.itl_w.append(res.itl_steady)
+                rec.itl_batch.append(with_batch)
             else:
                 t = res.start_s
                 for d in res.step_durations_s():
@@ -244,10 +252,12 @@ class Simulation:
                     rec.itl_t.append(t)
                     rec.itl_s.append(d)
                 rec.itl_w.extend([res.itl_steady] * res.span_steps)
+                rec.itl_batch.extend([with_batch] * res.span_steps)
         for gap in res.itl_other_s:
             rec.itl_t.append(end)
             rec.itl_s.append(gap)
             rec.itl_w.append(1)
+            rec.itl_batch.append(with_batch)
         for req in res.first_tokens:
             if req.klass == INTERACTIVE and self._waiting_first.pop(req.request_id, None):
                 rec.ttft_t.append(end)
@@ -406,6 +416,9 @@ class Simulation:
         oldest = max((now_s - r.submitted_s for r in self._waiting_first.values()), default=0.0)
         a, b = rec.window_slice(rec.ttft_t, t0, now_s)
         itl_over, ttft_over = rec.slo_burn(t0, now_s, self.scenario.slo)
+        itl_n, ttft_n, itl_batch = rec.slo_samples(t0, now_s, self.scenario.slo)
+        waited = sum(rec.interactive_wait_s_per_s[lo:hi])
+        waited_batch = sum(rec.interactive_wait_batch_s_per_s[lo:hi])
         return Observation(
             now_s=now_s,
             age_s=0.0,
@@ -422,6 +435,11 @@ class Simulation:
             interactive_requests=float(b - a),
             itl_over_slo_frac=itl_over,
             ttft_over_slo_frac=ttft_over,
+            window_s=w,
+            itl_samples=itl_n,
+            ttft_samples=ttft_n,
+            itl_over_slo_batch_frac=itl_batch,
+            interactive_wait_batch_frac=waited_batch / waited if waited > 0 else math.nan,
         )
 
     # -- interactive requests, failures, housekeeping --------------------------------------

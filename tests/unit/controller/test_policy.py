@@ -63,13 +63,19 @@ def test_law_tracks_the_burn_when_measured(over, on_burn, expected_itl, expected
     assert loops[1].setpoint == pytest.approx(expected_setpoint)
 
 
-def test_burn_is_smoothed_and_held_through_an_unmeasured_window():
-    """The burn follows its first-order filter and a NaN share holds the last value."""
-    config = replace(ControllerConfig(), burn_filter_s=10.0)
-    policy = build_policy(config, "p", None)
-    policy.step(observation(0.0, itl_over_slo_frac=0.0, ttft_over_slo_frac=0.0), 0.0)
-    policy.step(observation(1.0, itl_over_slo_frac=0.05, ttft_over_slo_frac=0.0), 1.0)
-    expected = 1.0 - math.exp(-0.1)
-    assert policy.law.burns[1] == pytest.approx(expected)
-    policy.step(observation(2.0, ttft_over_slo_frac=0.0), 2.0)
-    assert policy.law.burns[1] == pytest.approx(expected)
+def test_burn_is_counted_and_held_through_an_unmeasured_window():
+    """The law's burn is the fast window's share above the SLO weighted by sample counts; a
+    share missing while samples were counted holds the last reading; no samples read as 0."""
+    policy = build_policy(ControllerConfig(), "p", None)
+    for t in range(12):
+        policy.step(observation(float(t), itl_over_slo_frac=0.05 if t % 2 else 0.0,
+                                ttft_over_slo_frac=0.0, window_s=5.0, itl_samples=1000.0,
+                                ttft_samples=50.0), float(t))
+    assert policy.law.burns[1] == pytest.approx(0.5)
+    reading = policy.law.readings[1]
+    policy.step(observation(12.0, ttft_over_slo_frac=0.0, itl_samples=1000.0,
+                            ttft_samples=50.0, window_s=5.0), 12.0)
+    assert policy.law.readings[1] is reading
+    idle = build_policy(ControllerConfig(), "p", None)
+    idle.step(observation(0.0, itl_p95_s=math.nan, itl_samples=0.0, window_s=5.0), 0.0)
+    assert idle.law.burns[1] == 0.0

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 
+from controller.burn import BurnReading
 from controller.supervisor import SupervisorConfig, SupervisorState, supervise
 from models.budget import Mode
 from models.signals import Observation, Slo
@@ -131,3 +132,66 @@ def test_failsafe_never_opens_on_missing_metrics():
         decision = supervise(cfg, state, blank, SLO, 1e6, 1.0, float(t))
         state = decision.state
         assert decision.mode == Mode.FAILSAFE and decision.u == 0.0
+
+
+def reading(burn: float, lower: float, slow: float, batch_share: float = math.nan) -> BurnReading:
+    """A burn reading with the given fast burn, its lower bound and the slow burn."""
+    return BurnReading(burn=burn, lower=lower, upper=burn * 1.5, samples=500.0, window_s=10.0,
+                       slow_burn=slow, slow_lower=slow * 0.8, slow_samples=3000.0,
+                       batch_share=batch_share)
+
+
+@pytest.mark.parametrize(
+    ("itl", "mode", "revoke"),
+    [
+        (reading(4.0, 0.5, 0.2), Mode.OPEN, False),
+        (reading(1.6, 1.1, 0.3), Mode.OPEN, False),
+        (reading(1.6, 1.1, 0.6), Mode.CLOSED, False),
+        (reading(5.0, 3.5, 0.1, batch_share=0.9), Mode.CLOSED, True),
+        (reading(5.0, 3.5, 0.1, batch_share=0.2), Mode.CLOSED, False),
+    ],
+    ids=[
+        "one-slow-step-among-few-gaps-holds",
+        "fast-burn-with-slow-window-unspent-holds",
+        "fast-and-slow-windows-cut-without-revoking",
+        "severe-burn-caused-by-batch-revokes",
+        "severe-burn-not-caused-by-batch-only-stops-admission",
+    ],
+)
+def test_multiwindow_burn_cuts(itl: BurnReading, mode: Mode, revoke: bool) -> None:
+    """A burn cuts only with confidence in the fast window and spent slow window (or a severe
+    fast burn), and revokes in-flight batch only when batch caused a severe burn."""
+    burns = (reading(0.0, 0.0, 0.0), itl)
+    decision = supervise(CFG, OPEN, obs(), SLO, 8000.0, 1.0, 0.0, burns=burns)
+    assert decision.mode == mode
+    assert decision.revoke == revoke
+
+
+@pytest.mark.parametrize(
+    ("over", "slo", "mode", "revoke"),
+    [
+        ({"itl_p95_s": math.nan, "itl_samples": 0.0, "interactive_requests": 3.0}, SLO,
+         Mode.OPEN, False),
+        ({"interactive_oldest_wait_s": 3.0}, Slo(ttft_p95_s=8.0), Mode.OPEN, False),
+        ({"interactive_oldest_wait_s": 17.0, "interactive_wait_batch_frac": 0.1},
+         Slo(ttft_p95_s=8.0), Mode.CLOSED, False),
+        ({"interactive_oldest_wait_s": 40.0, "interactive_wait_batch_frac": 0.9},
+         Slo(ttft_p95_s=8.0), Mode.CLOSED, True),
+        ({"kv_usage_frac": 0.99}, SLO, Mode.CLOSED, True),
+    ],
+    ids=[
+        "no-interactive-decode-is-safe-not-missing",
+        "oldest-wait-limit-follows-the-ttft-slo",
+        "long-wait-not-behind-batch-only-stops-admission",
+        "severe-wait-behind-batch-revokes",
+        "kv-about-to-run-out-revokes",
+    ],
+)
+def test_thresholds_follow_the_slo_and_revoke_only_when_it_helps(
+    over: dict, slo: Slo, mode: Mode, revoke: bool
+) -> None:
+    """Idle is safe, the oldest-wait cut is a multiple of the TTFT SLO, and revocation needs
+    KV about to run out or a severe wait that batch caused."""
+    decision = supervise(CFG, OPEN, obs(**over), slo, 8000.0, 1.0, 0.0)
+    assert decision.mode == mode
+    assert decision.revoke == revoke

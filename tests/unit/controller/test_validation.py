@@ -1,0 +1,47 @@
+"""Use validation: the budget does not grow while batch does not use what it has."""
+
+from __future__ import annotations
+
+import pytest
+
+from controller.policy import ControllerConfig, build_policy
+from models.budget import Mode
+from models.signals import Observation
+
+
+def quiet(now_s: float, carried_tokens_per_s: float) -> Observation:
+    """A healthy pool with nothing above the SLOs and `carried_tokens_per_s` of batch."""
+    return Observation(
+        now_s=now_s, age_s=0.5, ttft_p95_s=0.2, itl_p95_s=0.01, success_rate=1.0,
+        kv_usage_frac=0.3, interactive_queue_depth=0.0, interactive_oldest_wait_s=0.0,
+        interactive_tokens_per_s=2000.0, interactive_requests=20.0, batch_tokens_per_s=
+        carried_tokens_per_s, itl_over_slo_frac=0.0, ttft_over_slo_frac=0.0, window_s=5.0,
+        itl_samples=2000.0, ttft_samples=20.0,
+    )
+
+
+def test_no_batch_demand_keeps_the_budget_at_the_floor() -> None:
+    """Without batch work the budget stays at the validation floor instead of winding up."""
+    config = ControllerConfig()
+    policy = build_policy(config, "p", None)
+    budgets = [policy.step(quiet(float(t), 0.0), float(t)).budget for t in range(300)]
+    floor = config.validation.floor_frac * config.u_max_tokens_per_s
+    assert budgets[-1].mode == Mode.OPEN
+    assert max(b.batch_tokens_per_s for b in budgets) <= floor + 1e-6
+
+
+def test_budget_grows_from_what_is_carried() -> None:
+    """When batch carries what it is given, the budget grows past the floor, never more than
+    the headroom above the carried peak."""
+    config = ControllerConfig()
+    policy = build_policy(config, "p", None)
+    u = 0.0
+    for t in range(300):
+        budget = policy.step(quiet(float(t), u), float(t)).budget
+        assert budget.batch_tokens_per_s <= max(
+            config.validation.floor_frac * config.u_max_tokens_per_s,
+            (1 + config.validation.headroom) * u,
+        ) + 1e-6
+        u = budget.batch_tokens_per_s
+    assert u > 2 * config.validation.floor_frac * config.u_max_tokens_per_s
+    assert u == pytest.approx(config.u_max_tokens_per_s, rel=0.01)
