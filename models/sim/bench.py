@@ -214,13 +214,14 @@ def format_table(rows: Sequence[dict[str, object]], *, speed: bool = True) -> st
 
 def plot(rows: Sequence[dict[str, object]], path: Path, slo_ttft_s: float,
          slo_itl_s: float) -> None:
-    """Per-window p95 TTFT, p95 ITL and GPU busy fraction of each run, one panel each."""
+    """Per-window p95 TTFT, p95 ITL, GPU busy fraction and batch tokens/s of each run, one
+    panel each."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(3, 1, figsize=(10, 9), sharex=True)
+    fig, axes = plt.subplots(4, 1, figsize=(10, 11.5), sharex=True)
     for row in rows:
         wins = cast(list[dict[str, float]], row["windows"])
         t = [w["start_s"] / 60 for w in wins]
@@ -228,13 +229,15 @@ def plot(rows: Sequence[dict[str, object]], path: Path, slo_ttft_s: float,
         axes[0].plot(t, [w["ttft_p95_s"] for w in wins], label=label)
         axes[1].plot(t, [(w["itl_p95_s"] or 0) * 1000 for w in wins], label=label)
         axes[2].plot(t, [w["gpu_busy_frac"] for w in wins], label=label)
+        axes[3].plot(t, [w["batch_tokens_per_s"] / 1000 for w in wins], label=label)
     axes[0].axhline(slo_ttft_s, color="k", ls="--", lw=0.8)
     axes[0].set_yscale("log")
     axes[0].set_ylabel("p95 TTFT (s)")
     axes[1].axhline(slo_itl_s * 1000, color="k", ls="--", lw=0.8)
     axes[1].set_ylabel("p95 ITL (ms)")
     axes[2].set_ylabel("GPU busy fraction")
-    axes[2].set_xlabel("time (min), 60 s windows")
+    axes[3].set_ylabel("batch tokens/s (k)")
+    axes[3].set_xlabel("time (min), 60 s windows")
     axes[0].legend(fontsize=8, ncol=3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
