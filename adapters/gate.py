@@ -11,9 +11,10 @@ reach this module: they are always admitted by the caller without a Redis call.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import cast
 
 import redis
 import redis.asyncio
@@ -150,37 +151,35 @@ def _revocations(reply: list | None, last_id: str) -> tuple[str, list[Revocation
 
 
 class _GateBase:
-    def __init__(self, client: redis.Redis | redis.asyncio.Redis, pool: str, *,
-                 lease_ms: int, batch_priority: int, retry_ms: int) -> None:
+    def __init__(self, pool: str, *, lease_ms: int, batch_priority: int,
+                 retry_ms: int) -> None:
         if lease_ms <= 0:
             raise InputError(f"admission lease_ms must be > 0, got {lease_ms}")
-        self.client = client
         self.pool = pool
         self.keys = PoolKeys(pool)
         self.lease_ms = lease_ms
         self.batch_priority = batch_priority
         self.retry_ms = retry_ms
-        self._admit = client.register_script(script_text("admit"))
-        self._release = client.register_script(script_text("release"))
-        self._renew = client.register_script(script_text("renew"))
-        self._inflight = client.register_script(script_text("inflight"))
         k = self.keys
         self._admit_keys = [k.budget, k.epoch, k.stop, k.leases, k.order, k.reqs, k.state]
         self._release_keys = [k.budget, k.leases, k.order, k.reqs, k.state]
         self._gate_keys = [k.leases, k.order, k.reqs, k.state]
 
     def _admit_args(self, request_id: str, prompt_tokens: int, max_output_tokens: int,
-                    now_s: float | None) -> list:
+                    now_s: float | None) -> list[str | int]:
         _check_request(request_id, prompt_tokens, max_output_tokens)
         return [request_id, int(prompt_tokens), int(max_output_tokens), _now_arg(now_s),
                 self.lease_ms, SCHEMA_VERSION, self.retry_ms, REAP_LIMIT]
 
     def _release_args(self, request_id: str, output_tokens: int | None,
-                      now_s: float | None) -> list:
+                      now_s: float | None) -> list[str | int]:
         if output_tokens is not None and output_tokens < 0:
             raise InputError(f"output_tokens must be >= 0, got {output_tokens}")
-        used = "" if output_tokens is None else int(output_tokens)
+        used: str | int = "" if output_tokens is None else int(output_tokens)
         return [request_id, used, _now_arg(now_s), REAP_LIMIT]
+
+    def _renew_args(self, request_id: str, now_s: float | None) -> list[str | int]:
+        return [request_id, self.lease_ms, _now_arg(now_s), REAP_LIMIT]
 
 
 class Gate(_GateBase):
@@ -188,8 +187,13 @@ class Gate(_GateBase):
 
     def __init__(self, client: redis.Redis, pool: str, *, lease_ms: int = DEFAULT_LEASE_MS,
                  batch_priority: int = BATCH_PRIORITY, retry_ms: int = DEFAULT_RETRY_MS) -> None:
-        super().__init__(client, pool, lease_ms=lease_ms, batch_priority=batch_priority,
+        super().__init__(pool, lease_ms=lease_ms, batch_priority=batch_priority,
                          retry_ms=retry_ms)
+        self.client = client
+        self._admit = client.register_script(script_text("admit"))
+        self._release = client.register_script(script_text("release"))
+        self._renew = client.register_script(script_text("renew"))
+        self._inflight = client.register_script(script_text("inflight"))
 
     def admit(self, request_id: str, prompt_tokens: int, max_output_tokens: int,
               now_s: float | None = None) -> Admission:
@@ -213,8 +217,7 @@ class Gate(_GateBase):
 
     def renew(self, request_id: str, now_s: float | None = None) -> bool:
         """Extend an admitted request's lease by `lease_ms`; False when it is not in flight."""
-        args = [request_id, self.lease_ms, _now_arg(now_s), REAP_LIMIT]
-        return bool(self._renew(keys=self._gate_keys, args=args))
+        return bool(self._renew(keys=self._gate_keys, args=self._renew_args(request_id, now_s)))
 
     def inflight(self, now_s: float | None = None) -> InFlight:
         """Batch sequences and KV tokens in flight, and the bucket level."""
@@ -227,9 +230,9 @@ class Gate(_GateBase):
         and the entries, oldest first."""
         _check_block(self.client, block_ms)
         if last_id == "$":
-            newest = self.client.xrevrange(self.keys.revoke, count=1)
+            newest = cast(list, self.client.xrevrange(self.keys.revoke, count=1))
             last_id = newest[0][0] if newest else "0-0"
-        reply = self.client.xread({self.keys.revoke: last_id}, block=block_ms)
+        reply = cast(list | None, self.client.xread({self.keys.revoke: last_id}, block=block_ms))
         return _revocations(reply, last_id)
 
 
@@ -239,8 +242,13 @@ class AsyncGate(_GateBase):
     def __init__(self, client: redis.asyncio.Redis, pool: str, *,
                  lease_ms: int = DEFAULT_LEASE_MS, batch_priority: int = BATCH_PRIORITY,
                  retry_ms: int = DEFAULT_RETRY_MS) -> None:
-        super().__init__(client, pool, lease_ms=lease_ms, batch_priority=batch_priority,
+        super().__init__(pool, lease_ms=lease_ms, batch_priority=batch_priority,
                          retry_ms=retry_ms)
+        self.client = client
+        self._admit = client.register_script(script_text("admit"))
+        self._release = client.register_script(script_text("release"))
+        self._renew = client.register_script(script_text("renew"))
+        self._inflight = client.register_script(script_text("inflight"))
 
     async def admit(self, request_id: str, prompt_tokens: int, max_output_tokens: int,
                     now_s: float | None = None) -> Admission:
@@ -279,7 +287,7 @@ class AsyncGate(_GateBase):
 
     async def renew(self, request_id: str, now_s: float | None = None) -> bool:
         """See `Gate.renew`."""
-        args = [request_id, self.lease_ms, _now_arg(now_s), REAP_LIMIT]
+        args = self._renew_args(request_id, now_s)
         return bool(await self._renew(keys=self._gate_keys, args=args))
 
     async def inflight(self, now_s: float | None = None) -> InFlight:
@@ -292,7 +300,8 @@ class AsyncGate(_GateBase):
         """See `Gate.revocations`."""
         _check_block(self.client, block_ms)
         if last_id == "$":
-            newest = await self.client.xrevrange(self.keys.revoke, count=1)
+            newest = await cast(Awaitable[list], self.client.xrevrange(self.keys.revoke, count=1))
             last_id = newest[0][0] if newest else "0-0"
-        reply = await self.client.xread({self.keys.revoke: last_id}, block=block_ms)
+        reply = await cast(Awaitable[list | None],
+                           self.client.xread({self.keys.revoke: last_id}, block=block_ms))
         return _revocations(reply, last_id)

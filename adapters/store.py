@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import cast
 
 import redis
 import redis.asyncio
@@ -284,7 +285,7 @@ class BudgetStore:
 
     def stop_reason(self) -> str | None:
         """The operator's reason while the stop switch is set, else None."""
-        return self.client.get(self.keys.stop)
+        return cast(str | None, self.client.get(self.keys.stop))
 
 
 class AsyncBudgetStore:

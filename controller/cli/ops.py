@@ -11,6 +11,7 @@ import contextlib
 import json
 import time
 from collections.abc import Iterator
+from typing import cast
 
 import redis
 
@@ -128,7 +129,7 @@ def pool_status(client: redis.Redis, pool: str, now_s: float) -> dict:
     keys = PoolKeys(pool)
     store = BudgetStore(client, pool)
     read = store.read_record(now_s)
-    fields = client.hgetall(keys.budget)
+    fields = cast(dict[str, str], client.hgetall(keys.budget))
     inflight = Gate(client, pool).inflight()
     record = None
     if fields:
