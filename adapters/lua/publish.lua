@@ -23,7 +23,13 @@ local redis_now_ms = now_ms_from('')
 local now_ms = math.min(arg_int(ARGV[7], 'now_ms'), redis_now_ms)
 
 local counter = read_counter(k_epoch)
-if counter == nil then error(redis.error_reply('ERR borrowd: the epoch counter is malformed')) end
+if counter == nil then
+  -- The stop switch works whatever else is broken; the controller's writes wait for a fix.
+  if action ~= 'stop' then
+    error(redis.error_reply('ERR borrowd: the epoch counter is malformed'))
+  end
+  counter = 0
+end
 local newest = counter
 local stored = read_record(k_budget, schema)
 if stored and lease_live(stored, redis_now_ms) and stored.epoch <= counter + MAX_EPOCH_JUMP

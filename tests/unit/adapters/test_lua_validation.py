@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import redis
 
 from adapters.gate import Gate
 from adapters.redis_conn import connect
@@ -167,3 +168,18 @@ def test_retry_with_another_prompt_is_refused(client) -> None:
     refused = gate.admit("a", 15_000, 100)
     assert (refused.admitted, refused.reason) == (False, "duplicate_mismatch")
     assert gate.inflight().kv_tokens == 200
+
+
+@pytest.mark.parametrize("counter", ["nan", "1e300", "x"])
+def test_stop_works_with_a_malformed_epoch_counter(client, counter) -> None:
+    """A broken epoch counter: the gate denies batch (malformed), the controller's publish is
+    refused with a Redis error naming it, and `borrowd stop` still stops the pool."""
+    _open(client)
+    client.set(KEYS.epoch, counter)
+    assert Gate(client, POOL).admit("a", 10, 10).reason == "malformed"
+    store = BudgetStore(client, POOL)
+    assert store.read_record(time.time(), report=False).status is ReadStatus.MALFORMED
+    with pytest.raises(redis.ResponseError, match="epoch counter is malformed"):
+        store.publish(_budget(), epoch=1, ttl_ms=60_000, now_s=time.time())
+    assert store.stop("ops").mode is Mode.STOPPED
+    assert store.stop_reason() == "ops"
