@@ -74,10 +74,11 @@ class Stack:
     gate: ServerProcess
     nginx: ServerProcess
 
-    def request(self, headers: dict[str, str]) -> tuple[int, dict[str, str], str]:
+    def request(self, headers: dict[str, str], body: bytes = b"{}"
+                ) -> tuple[int, dict[str, str], str]:
         """POST through nginx; (status, headers, body)."""
         req = urllib.request.Request(f"http://127.0.0.1:{self.nginx.port}/v1/completions",
-                                     data=b"{}", headers=headers, method="POST")
+                                     data=body, headers=headers, method="POST")
         try:
             with urllib.request.urlopen(req, timeout=10) as resp:
                 return resp.status, dict(resp.headers), resp.read().decode()
@@ -132,8 +133,8 @@ def stack() -> Iterator[Stack]:
             server.stop()
 
 
-def _batch(prompt: int = 100, max_tokens: int = 1000) -> dict[str, str]:
-    return {"Authorization": "Bearer batch-key", "X-Prompt-Tokens": str(prompt),
+def _batch(max_tokens: int = 1000, claimed_prompt: int = 0) -> dict[str, str]:
+    return {"Authorization": "Bearer batch-key", "X-Prompt-Tokens": str(claimed_prompt),
             "X-Max-Tokens": str(max_tokens)}
 
 
@@ -226,6 +227,15 @@ def test_a_lost_gate_never_touches_interactive_and_closes_batch_fast(stack: Stac
             os.kill(stack.gate.pid, signal.SIGCONT)
     if fault == "frozen":
         wait_until(lambda: stack.request(_batch())[0] == 200, 5.0, "batch admitted again")
+
+
+def test_the_prompt_is_charged_by_body_bytes_not_by_the_clients_claim(stack: Stack) -> None:
+    """A 30 kB prompt claimed as 0 tokens is charged its bytes: too large for a 20k burst."""
+    _publish(stack.redis.extra["url"], ttl_ms=60_000)
+    prompt = b'{"prompt": "' + b"x" * 30_000 + b'"}'
+    status, headers, _ = stack.request(_batch(max_tokens=10, claimed_prompt=0), prompt)
+    assert (status, headers["X-Borrowd-Reason"]) == (429, "too_large")
+    assert stack.request(_batch(max_tokens=10), b'{"prompt": "hi"}')[0] == 200
 
 
 def test_a_router_without_the_gate_secret_gets_no_batch(stack: Stack) -> None:
