@@ -115,7 +115,7 @@ def default_sim_pool(name: str, scenario: Scenario) -> PoolConfig:
 def make_policy(name: str, scenario: Scenario, plant_path: Path | None) -> ControllerPolicy:
     """The closed-loop policy `name` (a registered law) for `scenario` without a config file."""
     return build_pool_policy(default_sim_pool(name, scenario),
-                             default_plant(name, scenario, plant_path))
+                             default_plant(name, scenario, plant_path), burn_at_slo=True)
 
 
 def sim_loop_factory(pool: PoolConfig, make_controller: Callable[[], Controller]) -> LoopFactory:
@@ -183,9 +183,10 @@ class SimControllers:
             plant = default_plant(name, scenario, plant_path)
         else:
             plant = PlantModel.load(plant_path) if plant_path is not None else None
-        build_pool_policy(pool, plant)  # a bad setting fails here, before any run
-        return PolicySpec(name, PRIORITY, batch=True,
-                          loop=sim_loop_factory(pool, lambda: build_pool_policy(pool, plant)))
+        # The simulator measures the burn at the scenario's own SLOs (no recording rules).
+        build_pool_policy(pool, plant, burn_at_slo=True)  # a bad setting fails here
+        return PolicySpec(name, PRIORITY, batch=True, loop=sim_loop_factory(
+            pool, lambda: build_pool_policy(pool, plant, burn_at_slo=True)))
 
 
 @dataclass(frozen=True)

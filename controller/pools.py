@@ -33,14 +33,15 @@ def burn_matches_rules(controller: ControllerConfig) -> bool:
     )
 
 
-def pool_controller(pool: PoolConfig) -> ControllerConfig:
+def pool_controller(pool: PoolConfig, *, burn_at_slo: bool = False) -> ControllerConfig:
     """The controller settings the daemon runs for `pool`.
 
     A pool whose SLOs differ from the burn rules' bucket bounds controls on its p95s: the
-    burn read from Prometheus would measure a different line than its SLO.
+    burn read from Prometheus would measure a different line than its SLO. A source that
+    measures the burn at the pool's own SLOs (`burn_at_slo`: the simulator) keeps it.
     """
     controller = pool.controller
-    if controller.control_on_burn and not burn_matches_rules(controller):
+    if controller.control_on_burn and not burn_at_slo and not burn_matches_rules(controller):
         structlog.get_logger("borrowd.daemon").warning(
             "burn_off_for_slo", pool=pool.name, slo_ttft_p95_s=controller.slo_ttft_p95_s,
             slo_itl_p95_s=controller.slo_itl_p95_s, rules_ttft_s=RULES_SLO_TTFT_S,
@@ -50,9 +51,12 @@ def pool_controller(pool: PoolConfig) -> ControllerConfig:
     return controller
 
 
-def build_pool_policy(pool: PoolConfig, plant: PlantModel | None = None) -> ControllerPolicy:
-    """The controller policy of one pool; `plant` (when given) stands in for its plant file."""
-    return build_policy(pool_controller(pool), pool.name,
+def build_pool_policy(
+    pool: PoolConfig, plant: PlantModel | None = None, *, burn_at_slo: bool = False
+) -> ControllerPolicy:
+    """The controller policy of one pool; `plant` (when given) stands in for its plant file;
+    `burn_at_slo` when the metrics source measures the burn at the pool's own SLOs."""
+    return build_policy(pool_controller(pool, burn_at_slo=burn_at_slo), pool.name,
                         plant if plant is not None else load_plant(pool))
 
 
