@@ -9,9 +9,11 @@ from typing import TypeVar
 
 import redis
 
+from adapters.ceiling import read_ceiling
 from adapters.store import BudgetStore, LeaderElection
 from models.budget import Budget
 from models.errors import StoreError
+from models.rollout import apply_ceiling
 
 T = TypeVar("T")
 
@@ -26,12 +28,16 @@ def _neutral(call: Callable[[], T]) -> T:
 class RedisPoolStore:
     """`models.protocols.Store` over `adapters.store.BudgetStore`."""
 
-    def __init__(self, store: BudgetStore) -> None:
+    def __init__(self, store: BudgetStore,
+                 ceiling: Callable[[], float | None] | None = None) -> None:
         self.store = store
+        # The rollout ceiling (`borrowd rollout`), read at each publish: tokens/s or None.
+        self.ceiling = ceiling or (lambda: read_ceiling(store.client, store.pool))
 
     def publish(self, budget: Budget, *, epoch: int, ttl_ms: int, now_s: float) -> Budget:
-        """Write `budget` fenced by `epoch`; `FencedError` if deposed, `StoreError` if Redis
-        fails."""
+        """Write `budget`, held under the pool's rollout ceiling, fenced by `epoch`;
+        `FencedError` if deposed, `StoreError` if Redis fails."""
+        budget = apply_ceiling(budget, _neutral(self.ceiling))
         return _neutral(lambda: self.store.publish(budget, epoch=epoch, ttl_ms=ttl_ms,
                                                    now_s=now_s))
 

@@ -43,7 +43,7 @@ class Fenced:
 @pytest.mark.parametrize(
     "call",
     [
-        lambda: RedisPoolStore(Down()).publish(OPEN, epoch=1, ttl_ms=1000, now_s=0.0),
+        lambda: RedisPoolStore(Down(), lambda: None).publish(OPEN, epoch=1, ttl_ms=1000, now_s=0.0),
         lambda: RedisPoolStore(Down()).stop_reason(),
         lambda: RedisPoolElection(Down()).try_acquire(),
         lambda: RedisPoolElection(Down()).renew(),
@@ -60,4 +60,4 @@ def test_redis_errors_become_store_errors(call) -> None:
 def test_fencing_passes_through() -> None:
     """A fenced write is the store's answer, not a transport failure: FencedError as is."""
     with pytest.raises(FencedError):
-        RedisPoolStore(Fenced()).publish(OPEN, epoch=3, ttl_ms=1000, now_s=0.0)
+        RedisPoolStore(Fenced(), lambda: None).publish(OPEN, epoch=3, ttl_ms=1000, now_s=0.0)
