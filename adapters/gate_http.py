@@ -377,13 +377,19 @@ class GateService:
         return web.json_response({"renewed": renewed}, status=200 if renewed else 404)
 
     async def healthz(self, request: web.Request) -> web.Response:
-        """GET /healthz: the service is up; says whether Redis answers a PING."""
-        try:
-            redis_ok = bool(await asyncio.wait_for(self.client.ping(),
-                                                   self.config.decision_timeout_s))
-        except _REDIS_FAILURES:
-            redis_ok = False
-        return web.json_response({"status": "ok", "redis": "up" if redis_ok else "down"})
+        """GET /healthz: the service is up; says whether Redis serves each pool's keys (a read
+        of the pool's budget key, so a node that does not own the pool's slot is `down`)."""
+        pools = {}
+        for pool, gate in self._gates.items():
+            try:
+                await asyncio.wait_for(self.client.exists(gate.keys.budget),
+                                       self.config.decision_timeout_s)
+                pools[pool] = "up"
+            except _REDIS_FAILURES as exc:
+                pools[pool] = f"down: {type(exc).__name__}"
+        redis_ok = all(state == "up" for state in pools.values())
+        return web.json_response({"status": "ok", "redis": "up" if redis_ok else "down",
+                                  "pools": pools})
 
     def routes(self) -> list[web.RouteDef]:
         """The service's routes."""

@@ -65,14 +65,15 @@ class DaemonConfig:
 
 @dataclass(frozen=True)
 class RedisConfig:
-    """Where budgets are published (`redis://`, `rediss://` for TLS, `redis+sentinel://`)."""
+    """Where budgets are published (`redis://`, `rediss://` for TLS, `redis+sentinel://`,
+    `redis+cluster://`)."""
 
     url: str = field(
         default="redis://127.0.0.1:6379/0",
         metadata=meta(
             "URL",
             "Redis URL; put a password in BORROWD_REDIS_URL (environment file), not here",
-            pattern=r"^(redis|rediss|unix|redis\+sentinel|rediss\+sentinel)://",
+            pattern=r"^(redis|rediss|unix|rediss?\+sentinel|rediss?\+cluster)://",
         ),
     )
     connect_timeout_s: float = field(

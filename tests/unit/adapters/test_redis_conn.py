@@ -11,6 +11,7 @@ from adapters.redis_conn import (
     REDIS_URL_ENV,
     connect,
     connect_async,
+    parse_cluster_url,
     parse_sentinel_url,
     redact_url,
     resolve_redis_url,
@@ -92,3 +93,28 @@ def test_redact_hides_password() -> None:
     """Passwords never appear in printed URLs."""
     assert redact_url("redis://u:pw@h:1/0") == "redis://u:***@h:1/0"
     assert redact_url("redis://h:1/0") == "redis://h:1/0"
+
+
+@pytest.mark.parametrize(
+    ("url", "nodes", "user", "password", "tls"),
+    [("redis+cluster://a:7000,b:7001/0", (("a", 7000), ("b", 7001)), None, None, False),
+     ("rediss+cluster://u:p%40ss@[::1]:7000", (("::1", 7000),), "u", "p@ss", True)],
+    ids=["plain", "tls-acl-ipv6"],
+)
+def test_cluster_url(url: str, nodes: tuple, user: str | None, password: str | None,
+                     tls: bool) -> None:
+    """A `redis+cluster://` URL names startup nodes, an ACL user and TLS."""
+    target = parse_cluster_url(url)
+    assert (target.nodes, target.username, target.password, target.tls) == (
+        nodes, user, password, tls)
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [("redis+cluster://a:7000/3", "only db 0"), ("redis+cluster://a/0", "not host:port")],
+    ids=["db-3", "no-port"],
+)
+def test_bad_cluster_url_is_named(url: str, message: str) -> None:
+    """A cluster URL with a database other than 0 or a node without port is refused."""
+    with pytest.raises(ConfigError, match=message):
+        parse_cluster_url(url)
