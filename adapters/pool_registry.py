@@ -66,3 +66,14 @@ class PoolRegistry:
         keys = PoolKeys(pool)
         return bool(self.client.hexists(REGISTRY_KEY, pool)
                     or self.client.exists(keys.epoch, keys.budget))
+
+
+def register_pools(client: redis.Redis, pools: Iterable[str], holder_id: str,
+                   now_s: float) -> str | None:
+    """`PoolRegistry.register`, returning the Redis error's text instead of raising: a daemon
+    starts while Redis is down, and its pools become known anyway once one of them leads."""
+    try:
+        PoolRegistry(client).register(pools, holder_id, now_s)
+    except redis.RedisError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None

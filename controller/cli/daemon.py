@@ -19,6 +19,7 @@ import redis
 import structlog
 from prometheus_client import CollectorRegistry, start_http_server
 
+from adapters.pool_registry import register_pools
 from adapters.pool_store import RedisPoolElection, RedisPoolStore
 from adapters.redis_conn import connect, redact_url
 from adapters.store import BudgetStore, LeaderElection
@@ -113,6 +114,9 @@ def build_daemon(
         on_error=on_query_error,
     )
     holder_id = config.daemon.resolved_holder_id()
+    unregistered = register_pools(client, [p.name for p in config.pools], holder_id, time.time())
+    if unregistered:
+        log.warning("pool_registration_failed", error=unregistered)
     policies = build_policies(config)
     loops = {}
     for pool in config.pools:

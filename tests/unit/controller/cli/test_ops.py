@@ -138,3 +138,18 @@ def test_registry_round_trip(redis_url) -> None:
     assert sorted(known) == ["a", "b"]
     assert (known["b"].holder_id, known["b"].registered_at_s) == ("ctl-2", 2000.0)
     assert registry.exists("a") and not registry.exists("c")
+
+
+def test_daemon_registers_its_pools_at_start(redis_url) -> None:
+    """Building the daemon registers every configured pool under its holder id, so `stop`
+    knows them before any leader was elected; with Redis down it starts all the same."""
+    from controller.cli.daemon import build_daemon
+    from controller.config import config_from_mapping
+
+    config = config_from_mapping({"daemon": {"holder_id": "ctl-1"},
+                                  "pools": [{"name": "chat"}, {"name": "embed"}]})
+    build_daemon(config, redis_client=connect(redis_url))
+    known = PoolRegistry(connect(redis_url)).known()
+    assert {name: known[name].holder_id for name in known} == {"chat": "ctl-1",
+                                                              "embed": "ctl-1"}
+    build_daemon(config, redis_client=connect(f"redis://127.0.0.1:{free_port()}/0"))
