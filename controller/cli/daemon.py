@@ -31,6 +31,7 @@ from controller.loop_metrics import DaemonMetrics
 from controller.pools import build_policies
 from controller.prom_source import PrometheusSource, connect_prometheus
 from controller.sdnotify import Notifier
+from models.errors import ConfigError
 
 QUERY_ERROR_LOG_PERIOD_S = 60.0
 
@@ -155,8 +156,11 @@ def build_daemon(
 def serve_metrics(listen: str, registry: CollectorRegistry) -> WSGIServer:
     """Serve `registry` at http://listen/metrics in a thread; the server (to shut down)."""
     host, _, port = listen.rpartition(":")
-    server, _thread = start_http_server(int(port), addr=host.strip("[]") or "0.0.0.0",
-                                        registry=registry)
+    try:
+        server, _thread = start_http_server(int(port), addr=host.strip("[]") or "0.0.0.0",
+                                            registry=registry)
+    except OSError as exc:
+        raise ConfigError(f"daemon.metrics_listen {listen}: {exc.strerror or exc}") from None
     return server
 
 

@@ -88,3 +88,16 @@ def test_config_check_on_a_malformed_url_shows_no_secret(
     captured = capsys.readouterr()
     assert SECRET not in captured.out + captured.err
     assert "***" in captured.out + captured.err
+
+
+def test_daemon_metrics_port_busy_is_one_line(busy_port: int, tmp_path: Path) -> None:
+    """`borrowd run` whose metrics port is taken names daemon.metrics_listen, exit 2."""
+    config = tmp_path / "borrowd.toml"
+    config.write_text(f'[daemon]\nmetrics_listen = "127.0.0.1:{busy_port}"\n'
+                      '[redis]\nurl = "redis://127.0.0.1:1/0"\n'
+                      '[prometheus]\nurl = "http://127.0.0.1:1"\n[[pools]]\nname = "chat"\n')
+    result = _borrowd("run", "--config", str(config))
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines()[-1] == (
+        f"borrowd: error: daemon.metrics_listen 127.0.0.1:{busy_port}: Address already in use")
+    assert "Traceback" not in result.stderr
