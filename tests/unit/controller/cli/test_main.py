@@ -101,3 +101,16 @@ def test_daemon_metrics_port_busy_is_one_line(busy_port: int, tmp_path: Path) ->
     assert result.stderr.splitlines()[-1] == (
         f"borrowd: error: daemon.metrics_listen 127.0.0.1:{busy_port}: Address already in use")
     assert "Traceback" not in result.stderr
+
+
+def test_proxy_port_busy_is_one_line(busy_port: int, tmp_path: Path) -> None:
+    """`borrowd proxy` on a taken port: one line naming the address, exit 2."""
+    config = tmp_path / "proxy.toml"
+    config.write_text(f'[proxy]\nlisten_port = {busy_port}\npool = "chat"\n'
+                      'upstreams = ["http://127.0.0.1:1"]\nredis_url = "redis://127.0.0.1:1/0"\n'
+                      '[tenants.etl]\nkeys = ["k"]\nclass = "batch"\n')
+    result = _borrowd("proxy", "--config", str(config))
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines()[-1] == (
+        f"borrowd: error: [Errno 98] error while attempting to bind on address "
+        f"('127.0.0.1', {busy_port}): address already in use")
