@@ -33,7 +33,13 @@ step (a waiting one ends the WAITING pass: under the priority policy every reque
 it is batch too). Interactive requests are never held back. The recent step time is the
 plugin's `StepTimer` average of this replica's step durations.
 
-Prefix caching is off (every preempted or resubmitted request recomputes from scratch).
+Prefix caching (`enable_prefix_caching`, on by default as in vLLM V1): the KV pool is a
+`prefix_cache.BlockPool`; a WAITING request's admission first takes its longest cached
+prefix of full blocks (at most `num_tokens - 1` tokens), so only the rest is computed and
+needs new blocks (the whole-prompt check counts the hit, plus hit blocks that were free and
+leave the free queue); blocks are cached as they are allocated for known tokens, and freed
+blocks stay cached until handed out again (least recently freed first). A preempted
+request re-admitted finds what is left of its own blocks. Off, the pool is a count.
 
 API (all times are in the caller's clock, seconds; the engine keeps no clock of its own):
 
@@ -73,6 +79,7 @@ from models.enforcement import (
     batch_tokens_per_step,
 )
 from models.errors import ConfigError
+from models.sim.prefix_cache import BlockPool
 from models.sim.profiles import StepProfile
 from models.sim.request import (
     ABORTED,
@@ -106,6 +113,7 @@ class EngineConfig:
     policy: str = PRIORITY
     max_model_len: int = 131072
     admit_full_prompt: bool = True
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         for name in ("num_gpu_blocks", "max_num_batched_tokens", "max_num_seqs", "block_size"):
@@ -229,6 +237,11 @@ class Engine:
         self._batch_budget: Budget | None = None
         self._step_timer = StepTimer()
         self.min_batch_tokens_per_step = DEFAULT_MIN_BATCH_TOKENS_PER_STEP
+        self._pool: BlockPool | None = (
+            BlockPool(config.num_gpu_blocks, config.block_size)
+            if config.enable_prefix_caching else None
+        )
+        self._next_content_id = -2  # fresh content of requests that bring none
 
     # -- queue helpers ---------------------------------------------------------------------
 
@@ -275,8 +288,19 @@ class Engine:
             return False
         req.status = WAITING
         self.requests[req.request_id] = req
+        if self._pool is not None:
+            covered = sum(length for _, length in req.segments)
+            if covered < req.prompt_tokens:
+                rest = ((self._next_content_id, req.prompt_tokens - covered),)
+                self._next_content_id -= 1
+                req.set_segments(req.segments + rest)
         self._push_waiting(req, front=False)
         return True
+
+    @property
+    def prefix_cache_hit_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache so far (0 with caching off)."""
+        return self._pool.hit_tokens if self._pool is not None else 0
 
     def abort_request(self, request_id: str) -> Request | None:
         """Remove a waiting or running request and free its KV blocks; None if unknown."""
@@ -292,6 +316,9 @@ class Engine:
                 self._fifo.remove(req)
         self.free_blocks += req.blocks
         req.blocks = 0
+        if self._pool is not None:
+            self._pool.release(req)
+            self.free_blocks = self._pool.num_free
         req.status = ABORTED
         return req
 
@@ -341,6 +368,9 @@ class Engine:
     def _preempt(self, victim: Request) -> None:
         self.free_blocks += victim.blocks
         victim.blocks = 0
+        if self._pool is not None:
+            self._pool.release(victim, preempted=True)
+            self.free_blocks = self._pool.num_free
         victim.recomputed_tokens += victim.computed_tokens
         victim.computed_tokens = 0
         victim.preemptions += 1
@@ -376,6 +406,7 @@ class Engine:
         pairs = 0
         limited = self._batch_limited
         batch_left = self.batch_step_allowance() if limited else 0
+        pool = self._pool
         i = 0
         while i < n_run and budget > 0:
             req = running[i]
@@ -439,6 +470,10 @@ class Engine:
             if need > 0:
                 free -= need
                 req.blocks += need
+                if pool is not None:
+                    pool.allocate(req, need)
+            if pool is not None and (c + n) // bs > req.num_cached_blocks:
+                pool.cache(req, c + n)
             req.computed_tokens = c + n
             if n == 1:
                 decode_kv += c + 1
@@ -456,7 +491,9 @@ class Engine:
                 if req is None:
                     break
                 total = req.prompt_tokens + req.output_tokens
-                n = total
+                hits = pool.find_hits(req, total - 1) if pool is not None else []
+                cached = len(hits) * bs
+                n = total - cached
                 if 0 < thr < n:
                     n = thr
                 if n > budget:
@@ -467,22 +504,31 @@ class Engine:
                         if n <= 0:
                             break
                     batch_left -= n
-                if full and (total + bs_1) // bs > free:
+                evictable = pool.num_evictable(hits) if pool is not None and hits else 0
+                if full and (total + bs_1) // bs - len(hits) + evictable > free:
                     break
-                need = (n + bs_1) // bs
-                if need > free:
+                need = (cached + n + bs_1) // bs - len(hits)
+                if need + evictable > free:
                     break
                 self._pop_waiting()
+                if pool is not None:
+                    if hits:
+                        pool.touch(req, hits)
+                        free -= evictable
+                        if req.preemptions:
+                            req.recomputed_tokens -= min(cached, req.recomputed_tokens)
+                    pool.allocate(req, need)
+                    pool.cache(req, cached + n)
                 free -= need
-                req.blocks = need
+                req.blocks = len(hits) + need
                 req.status = RUNNING
                 self._running_count[req.klass] += 1
                 running.append(req)
-                req.computed_tokens = n
+                req.computed_tokens = cached + n
                 if n == 1:
-                    decode_kv += 1
+                    decode_kv += cached + 1
                 else:
-                    pairs += n * (n + 1) // 2
+                    pairs += n * cached + n * (n + 1) // 2
                 append((req, n))
                 budget -= n
         self.free_blocks = free
@@ -555,11 +601,15 @@ class Engine:
                 finished.append(req)
         itok = out.total_num_scheduled_tokens - btok
         if finished:
+            pool = self._pool
             for req in finished:
                 req.status = FINISHED
                 req.finish_s = end
                 self.free_blocks += req.blocks
                 req.blocks = 0
+                if pool is not None:
+                    pool.release(req)
+                    self.free_blocks = pool.num_free
                 self._running_count[req.klass] -= 1
                 del self.requests[req.request_id]
             self.running = [r for r in self.running if r.status == RUNNING]
@@ -685,13 +735,18 @@ class Engine:
         n_run = len(running)
         finished: list[Request] = []
         n_inter = 0
+        pool = self._pool
         for req in running:
             c = req.computed_tokens + k
             req.computed_tokens = c
             blocks = (c + bs_1) // bs
             if blocks > req.blocks:
                 self.free_blocks -= blocks - req.blocks
+                if pool is not None:
+                    pool.allocate(req, blocks - req.blocks)
                 req.blocks = blocks
+            if pool is not None and c // bs > req.num_cached_blocks:
+                pool.cache(req, c)
             req.output_tokens += k
             req.last_token_s = end
             if req.klass == INTERACTIVE:
@@ -700,11 +755,15 @@ class Engine:
                 finished.append(req)
         emitted = list(running)
         if finished:
+            pool = self._pool
             for req in finished:
                 req.status = FINISHED
                 req.finish_s = end
                 self.free_blocks += req.blocks
                 req.blocks = 0
+                if pool is not None:
+                    pool.release(req)
+                    self.free_blocks = pool.num_free
                 self._running_count[req.klass] -= 1
                 del self.requests[req.request_id]
             self.running = [r for r in running if r.status == RUNNING]

@@ -26,19 +26,26 @@ class Request:
     `arrival_s` orders requests in the engine (priority ties, FCFS); `submitted_s` is when the
     client sent it, kept across resubmissions so TTFT counts from the client's view.
     `recomputed_tokens` counts tokens computed a second time after a preemption or a
-    revocation.
+    revocation. `segments` is the prompt's content as `(content_id, tokens)` runs (equal ids:
+    equal tokens; see `models.sim.prefix_cache`); empty means content of its own.
+    `block_ids`, `block_hashes`, `num_cached_blocks` and `freed_blocks` are the prefix
+    cache's bookkeeping.
     """
 
     __slots__ = (
         "arrival_s",
+        "block_hashes",
+        "block_ids",
         "blocks",
         "computed_tokens",
         "error",
         "finish_s",
         "first_token_s",
+        "freed_blocks",
         "klass",
         "last_token_s",
         "max_output_tokens",
+        "num_cached_blocks",
         "output_tokens",
         "preemptions",
         "priority",
@@ -46,6 +53,8 @@ class Request:
         "recomputed_tokens",
         "replica",
         "request_id",
+        "segment_starts",
+        "segments",
         "status",
         "submitted_s",
     )
@@ -59,6 +68,7 @@ class Request:
         arrival_s: float,
         priority: int = 0,
         submitted_s: float | None = None,
+        segments: tuple[tuple[int, int], ...] = (),
     ) -> None:
         self.request_id = request_id
         self.klass = klass
@@ -78,6 +88,22 @@ class Request:
         self.status = WAITING
         self.error = ""
         self.replica = -1
+        self.block_ids: list[int] = []
+        self.block_hashes: list[int] = []
+        self.num_cached_blocks = 0
+        self.freed_blocks: list[tuple[int, int]] = []
+        self.set_segments(segments)
+
+    def set_segments(self, segments: tuple[tuple[int, int], ...]) -> None:
+        """Set the prompt's content runs (and their start offsets)."""
+        self.segments = segments
+        starts = []
+        pos = 0
+        for _, length in segments:
+            starts.append(pos)
+            pos += length
+        self.segment_starts = starts
+        self.block_hashes = []
 
     @property
     def num_tokens(self) -> int:

@@ -125,6 +125,7 @@ class Simulation:
             block_size=scenario.block_size,
             long_prefill_token_threshold=scenario.long_prefill_token_threshold,
             policy=policy.engine_policy,
+            enable_prefix_caching=scenario.enable_prefix_caching,
         )
         self.fleet = Fleet(
             [make_engine(engine, config, profile) for _ in range(scenario.replicas)],

@@ -7,7 +7,9 @@ any scenario with vLLM's own scheduling decisions while the step-time profile st
 supplies time. vLLM (an optional extra) runs on a CPU without weights: its model config is
 a folder holding only an 8B Llama-3 `config.json` (`write_model_dir`), nothing is fetched
 from a hub, and the model runner is replaced by one sampled token per request whose prefill
-is complete. Prefix caching is off, as in the native engine.
+is complete. Prefix caching follows the config's `enable_prefix_caching`: each request's
+token ids are built from its content segments (`request_token_ids`: a content id always
+gives the same tokens, generated tokens are the one sampled id), and vLLM hashes them.
 """
 
 from __future__ import annotations
@@ -16,12 +18,14 @@ import dataclasses
 import importlib.util
 import json
 import os
+import random
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from models.errors import ConfigError
 from models.sim.engine import EngineConfig, SchedulerOutput, StepResult
+from models.sim.prefix_cache import OUTPUT_ID
 from models.sim.profiles import StepProfile
 from models.sim.request import (
     ABORTED,
@@ -60,6 +64,8 @@ LLAMA3_8B_CONFIG: dict[str, Any] = {
 }
 
 _SAMPLED_TOKEN = 7  # any id below the vocabulary size; EOS is ignored anyway
+_CONTENT_TOKENS = (1000, 120000)  # range of content token ids (never the sampled one)
+_content_cache: dict[object, list[int]] = {}
 
 
 def vllm_available() -> bool:
@@ -177,18 +183,48 @@ def build_scheduler(
     )
 
 
+def content_tokens(content_id: object, length: int) -> list[int]:
+    """Token ids of `length` tokens of content `content_id` (`OUTPUT_ID`: sampled tokens)."""
+    if content_id == OUTPUT_ID:
+        return [_SAMPLED_TOKEN] * length
+    tokens = _content_cache.get(content_id)
+    if tokens is None or len(tokens) < length:
+        rng = random.Random(repr(content_id))
+        tokens = [rng.randrange(*_CONTENT_TOKENS) for _ in range(length)]
+        _content_cache[content_id] = tokens
+    return tokens[:length]
+
+
+def request_token_ids(req: Request) -> list[int]:
+    """Prompt (and already generated) token ids of `req` from its content segments; tokens
+    its segments do not cover are its own."""
+    ids: list[int] = []
+    for content_id, length in req.segments:
+        ids += content_tokens(content_id, length)
+    if len(ids) < req.prompt_tokens:
+        ids += content_tokens(("own", req.request_id), req.prompt_tokens - len(ids))
+    return ids[:req.prompt_tokens] + [_SAMPLED_TOKEN] * req.output_tokens
+
+
 def make_vllm_request(
     request_id: str, prompt_tokens: int, max_output_tokens: int, arrival_s: float,
-    priority: int = 0,
+    priority: int = 0, token_ids: list[int] | None = None, block_size: int = 0,
 ) -> Any:
     """A vLLM `Request` with `prompt_tokens` placeholder token ids that never stops early."""
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request as VllmRequest
 
+    hasher: dict[str, Any] = {}
+    if block_size > 0:
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+        init_none_hash(sha256)
+        hasher["block_hasher"] = get_request_block_hasher(block_size, sha256)
     return VllmRequest(
-        request_id, [_SAMPLED_TOKEN] * prompt_tokens,
+        request_id, token_ids if token_ids is not None else [_SAMPLED_TOKEN] * prompt_tokens,
         SamplingParams(max_tokens=max_output_tokens, ignore_eos=True), None,
-        arrival_time=arrival_s, priority=priority,
+        arrival_time=arrival_s, priority=priority, **hasher,
     )
 
 
@@ -225,6 +261,8 @@ class VllmEngine:
     ) -> None:
         self.config = config
         self.profile = profile
+        scheduler_kwargs.setdefault("prefix_caching", config.enable_prefix_caching)
+        self._hashed = bool(scheduler_kwargs["prefix_caching"])
         self.scheduler = build_scheduler(config, model_dir, scheduler_cls, **scheduler_kwargs)
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
@@ -289,6 +327,8 @@ class VllmEngine:
         self.scheduler.add_request(make_vllm_request(
             req.request_id, req.prompt_tokens + req.output_tokens,
             req.max_output_tokens - req.output_tokens, req.arrival_s, req.priority,
+            token_ids=request_token_ids(req) if self._hashed else None,
+            block_size=cfg.block_size if self._hashed else 0,
         ))
         return True
 
@@ -333,6 +373,9 @@ class VllmEngine:
                 decode_kv += before + 1
             else:
                 pairs += n * before + n * (n + 1) // 2
+            if req.status != RUNNING and req.preemptions and before > 0:
+                # Re-admitted with a prefix cache hit: that much is not computed again.
+                req.recomputed_tokens -= min(before, req.recomputed_tokens)
             req.computed_tokens = computed
             req.blocks = -(-computed // bs)
             req.status = RUNNING

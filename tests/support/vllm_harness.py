@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from models.sim.engine import Engine, EngineConfig
+from models.sim.prefix_cache import OUTPUT_ID
 from models.sim.profiles import H100_LLAMA3_8B, StepProfile
 from models.sim.request import BATCH, INTERACTIVE, Request
 from models.sim.vllm_core import (
@@ -113,6 +114,7 @@ class Arrival:
     prompt_tokens: int
     max_output_tokens: int
     priority: int
+    segments: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass
@@ -154,6 +156,43 @@ def mixed_stream(seed: int, n_interactive: int, n_batch: int, span_steps: int,
     return sorted(out, key=lambda a: (a.step, a.request_id))
 
 
+def shared_prefix_stream(seed: int, conversations: int, turns: int, n_batch: int,
+                         span_steps: int, batch_prompt_max: int = 16384) -> list[Arrival]:
+    """A seeded stream whose prompts share prefixes: multi-turn conversations over three
+    system prompts (turn k's prompt = turn k-1's prompt + its output + a new message) and
+    batch questions over two long documents, with some unique batch prompts between."""
+    rng = random.Random(seed)
+    systems = [(1 + i, rng.randint(100, 2500)) for i in range(3)]
+    documents = [(10 + i, rng.randint(2000, batch_prompt_max - 512)) for i in range(2)]
+    next_id = 100
+    out = []
+    for c in range(conversations):
+        segments: tuple[tuple[int, int], ...] = (rng.choice(systems),)
+        step = rng.randrange(span_steps)
+        for t in range(turns):
+            segments += ((next_id, rng.randint(5, 600)),)
+            next_id += 1
+            output = rng.randint(5, 120)
+            prompt = sum(length for _, length in segments)
+            out.append(Arrival(step, f"c{c:02d}t{t}", INTERACTIVE, prompt, output,
+                               INTERACTIVE_PRIORITY, segments))
+            segments += ((OUTPUT_ID, output),)
+            step += rng.randint(10, 120)
+    for i in range(n_batch):
+        step = rng.randrange(span_steps)
+        if rng.random() < 0.7:
+            doc = rng.choice(documents)
+            segments = (doc, (next_id, rng.randint(20, 400)))
+            next_id += 1
+            prompt = sum(length for _, length in segments)
+        else:
+            segments = ()
+            prompt = rng.randint(1000, batch_prompt_max)
+        out.append(Arrival(step, f"b{i:03d}", BATCH, prompt, rng.randint(10, 300),
+                           BATCH_PRIORITY, segments))
+    return sorted(out, key=lambda a: (a.step, a.request_id))
+
+
 def run_lockstep(make_engine: Callable[[], Any], stream: Sequence[Arrival],
                  max_steps: int = 20000) -> Trace:
     """Feed `stream` to a fresh engine step by step and record every decision."""
@@ -167,7 +206,7 @@ def run_lockstep(make_engine: Callable[[], Any], stream: Sequence[Arrival],
             a = pending.pop(0)
             engine.add_request(Request(a.request_id, a.klass, a.prompt_tokens,
                                        a.max_output_tokens, arrival_s=float(a.step),
-                                       priority=a.priority))
+                                       priority=a.priority, segments=a.segments))
         out = engine.schedule()
         trace.steps.append(dict(out.num_scheduled_tokens))
         trace.preempted.extend((k, rid) for rid in sorted(out.preempted_req_ids))

@@ -70,8 +70,10 @@ def test_kv_blocks_conserved_under_pressure(policy: str, full: bool) -> None:
 
 
 def test_preempted_request_is_recomputed_and_finishes() -> None:
-    """A preempted request restarts from zero, counts the lost work, and still completes."""
-    engine = make_engine(num_gpu_blocks=64, max_model_len=1024, policy=FCFS)
+    """Without prefix caching a preempted request restarts from zero, counts the lost work,
+    and still completes."""
+    engine = make_engine(num_gpu_blocks=64, max_model_len=1024, policy=FCFS,
+                         enable_prefix_caching=False)
     a = Request("a", BATCH, 400, 300, 0.0)
     b = Request("b", BATCH, 400, 300, 1.0)
     engine.add_request(a)

@@ -41,6 +41,37 @@ def test_native_engine_schedules_like_vllm(overrides: dict, seed: int) -> None:
     assert agreement.same_victims
 
 
+PREFIX_CASES = [
+    pytest.param(dict(), 1, id="priority-whole-prefills"),
+    pytest.param(dict(policy="fcfs"), 2, id="fcfs-whole-prefills"),
+    pytest.param(dict(long_prefill_token_threshold=1024), 3, id="priority-chunked"),
+    pytest.param(dict(long_prefill_token_threshold=512, policy="fcfs", num_gpu_blocks=1500), 4,
+                 id="fcfs-chunked-kv-pressure"),
+    pytest.param(dict(long_prefill_token_threshold=1024, num_gpu_blocks=1400), 5,
+                 id="priority-chunked-kv-pressure"),
+    pytest.param(dict(num_gpu_blocks=1800, max_num_seqs=12), 6, id="priority-few-seqs-evicting"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "seed"), PREFIX_CASES)
+def test_prefix_caching_schedules_like_vllm(overrides: dict, seed: int) -> None:
+    """With prefix caching on and prompts sharing prefixes (multi-turn chat over shared
+    system prompts, batch questions over shared documents), the native engine schedules
+    every step, finish and victim as vLLM does, and both serve cached tokens."""
+    config = h.engine_config(enable_prefix_caching=True, max_model_len=17408, **overrides)
+    stream = h.shared_prefix_stream(seed, conversations=12, turns=4, n_batch=10,
+                                    span_steps=150)
+    native_engine = Engine(config, H100_LLAMA3_8B)
+    native = h.run_lockstep(lambda: native_engine, stream)
+    vllm_engine = VllmEngine(config, H100_LLAMA3_8B, model_dir=h.model_dir())
+    vllm = h.run_lockstep(lambda: vllm_engine, stream)
+    agreement = h.compare_traces(native, vllm)
+    assert agreement.first_divergence is None, agreement
+    assert agreement.same_completion_order
+    assert agreement.same_victims
+    assert native_engine.prefix_cache_hit_tokens > 0
+
+
 def test_kv_pressure_stream_preempts_in_vllm() -> None:
     """The KV-pressure stream really makes vLLM preempt (so the cases above test victims)."""
     config = h.engine_config(long_prefill_token_threshold=1024, num_gpu_blocks=2120)
