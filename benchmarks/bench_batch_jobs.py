@@ -8,8 +8,9 @@ custom_ids seen once / missing / duplicated, generated tokens as the engines cou
 (`vllm:generation_tokens_total`) against the tokens in the results (the difference is
 redone work), revocations, resumes, reclaimed items, wall time, items per hour, cost per item.
 
-Part 2: two tenants with weights 2:1 and full backlogs through one worker; the ratio of
-their completed output tokens while both are backlogged.
+Part 2: two tenants with weights 2:1 and full backlogs through two workers (the fair-share
+tags are shared in Redis); the ratio of their completed output tokens while both are
+backlogged.
 
 Every process is real, on free loopback ports; nothing here needs a GPU.
 """
@@ -123,14 +124,15 @@ def faults(workdir: Path, items: int, max_tokens: int, concurrency: int,
 
 def fair_share(workdir: Path, items: int, max_tokens: int, concurrency: int,
                time_scale: float) -> None:
-    """Part 2: tenants gold (weight 2) and silver (weight 1), full backlogs, one worker."""
+    """Part 2: tenants gold (weight 2) and silver (weight 1), full backlogs, two workers."""
     tenants = {"gold": ("sk-gold", 2.0), "silver": ("sk-silver", 1.0)}
     with batch_stack(workdir, replicas=2, time_scale=time_scale, tenants=tenants) as stack:
         clients = {name: openai.OpenAI(base_url=stack.api_url, api_key=key, max_retries=2)
                    for name, (key, _w) in tenants.items()}
         jobs = {name: _submit(clients[name], chat_lines(items, max_tokens, name))
                 for name in tenants}
-        stack.start_worker("fair", concurrency)
+        for index in range(2):
+            stack.start_worker(f"fair{index}", concurrency)
         redis_client = stack.redis_client()
 
         def kept() -> dict[str, int]:
@@ -150,7 +152,7 @@ def fair_share(workdir: Path, items: int, max_tokens: int, concurrency: int,
     gained = {n: end[n] - start[n] for n in tenants}
     ratio = gained["gold"] / max(1, gained["silver"])
     print(f"## Part 2: tenants gold (weight 2) and silver (weight 1), {items} items x "
-          f"{max_tokens} tokens each, one worker x {concurrency} slots")
+          f"{max_tokens} tokens each, two workers x {concurrency} slots")
     print(f"while both backlogged ({end_s - start_s:.1f} s): gold {gained['gold']} tokens, "
           f"silver {gained['silver']} tokens; ratio {ratio:.3f} (target 2.000, error "
           f"{100 * abs(ratio / 2 - 1):.1f}%)")
@@ -172,7 +174,7 @@ def main() -> None:
             faults(Path(tmp) / "faults", args.items, args.max_tokens, args.concurrency,
                    args.time_scale)
         if not args.skip_fair:
-            fair_share(Path(tmp) / "fair", args.fair_items, 64, 16, args.time_scale)
+            fair_share(Path(tmp) / "fair", args.fair_items, 64, 8, args.time_scale)
 
 
 if __name__ == "__main__":

@@ -75,7 +75,7 @@ class BatchApi:
             await asyncio.sleep(interval_s)
 
     async def _snapshot(self) -> tuple[list[dict], dict[str, dict]]:
-        jobs, _more = await self.service.store.jobs(None, 200)
+        jobs, _more = await self.service.store.jobs(None, None, 200)
         return ([self.service.batch_object(j) for j in jobs],
                 await self.service.tenant_figures())
 

@@ -193,14 +193,11 @@ class BatchService:
 
     async def page(self, tenant: str, after: str | None, limit: int) -> dict:
         """A page of the tenant's batches, newest first."""
-        jobs, _more = await self.store.jobs(after, 10_000)
-        mine = [j for j in jobs if j.get("tenant") == tenant]
-        page = mine[:limit]
-        data = [self.batch_object(j) for j in page]
+        jobs, more = await self.store.jobs(tenant, after, limit)
+        data = [self.batch_object(j) for j in jobs]
         return {"object": "list", "data": data,
                 "first_id": data[0]["id"] if data else None,
-                "last_id": data[-1]["id"] if data else None,
-                "has_more": len(mine) > limit}
+                "last_id": data[-1]["id"] if data else None, "has_more": more}
 
     async def cancel(self, tenant: str, job_id: str) -> dict:
         """Ask a batch to cancel (cancelling now, cancelled once nothing runs)."""

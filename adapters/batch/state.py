@@ -3,7 +3,8 @@
 Keys (one job's keys share the hash tag `{JOB}`, so its Lua scripts work on a cluster):
 
 - `borrowd:batch:file:ID` (hash): an uploaded or produced file's record.
-- `borrowd:batch:jobs` (zset, by creation time) and `borrowd:batch:active` (set): job ids.
+- `borrowd:batch:jobs` and `borrowd:batch:jobs:TENANT` (zsets, by creation time) and
+  `borrowd:batch:active` (set): job ids.
 - `borrowd:batch:{JOB}:job` (hash): the job's fields, `completed`/`failed` counts, figures.
 - `borrowd:batch:{JOB}:items` (stream, consumer group `workers`): one entry per item to run.
 - `borrowd:batch:{JOB}:bodies` (hash): custom_id -> {"line", "body"} of each request.
@@ -37,6 +38,10 @@ engines produced for the job; kept = those in final results; reprefill = partial
 prefilled again on resume; redone = output generated but not kept)."""
 
 _COMPLETE = """
+local status = redis.call('HGET', KEYS[2], 'status')
+if status ~= 'validating' and status ~= 'in_progress' and status ~= 'cancelling' then
+  return -1
+end
 local new = redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2])
 if new == 1 then redis.call('HINCRBY', KEYS[2], ARGV[3], 1) end
 redis.call('HDEL', KEYS[4], ARGV[1])
@@ -88,6 +93,11 @@ def jobkey_key(tenant: str, key: str) -> str:
     return f"{PREFIX}:jobkey:{tenant}:{key}"
 
 
+def tenant_jobs_key(tenant: str) -> str:
+    """A tenant's job ids by creation time."""
+    return f"{PREFIX}:jobs:{tenant}"
+
+
 def tenant_key(tenant: str) -> str:
     """A tenant's counters."""
     return f"{PREFIX}:tenant:{tenant}"
@@ -117,10 +127,11 @@ class BatchStore:
     # -- jobs ------------------------------------------------------------------------
 
     async def put_job(self, job_id: str, fields: Mapping[str, Any], created_s: float) -> None:
-        """Create a job's hash and index it."""
+        """Create a job's hash and index it (all jobs, and the tenant's)."""
         async with self.client.pipeline(transaction=True) as pipe:
             pipe.hset(job_key(job_id), mapping=_flat(fields))
             pipe.zadd(JOBS, {job_id: created_s})
+            pipe.zadd(tenant_jobs_key(str(fields["tenant"])), {job_id: created_s})
             await pipe.execute()
 
     async def job(self, job_id: str) -> dict[str, str] | None:
@@ -128,13 +139,19 @@ class BatchStore:
         fields = await self.client.hgetall(job_key(job_id))
         return fields or None
 
-    async def jobs(self, after: str | None, limit: int) -> tuple[list[dict[str, str]], bool]:
-        """Jobs newest first, after job id `after`; and whether more remain."""
-        ids = await self.client.zrevrange(JOBS, 0, -1)
-        if after is not None and after in ids:
-            ids = ids[ids.index(after) + 1:]
-        page = ids[:limit]
-        jobs = [j for j in [await self.job(i) for i in page] if j]
+    async def jobs(self, tenant: str | None, after: str | None,
+                   limit: int) -> tuple[list[dict[str, str]], bool]:
+        """Jobs newest first (all, or the tenant's), after job id `after`; and whether more
+        remain."""
+        index = JOBS if tenant is None else tenant_jobs_key(tenant)
+        top = "+inf"
+        if after is not None:
+            score = await self.client.zscore(index, after)
+            if score is None:
+                return [], False
+            top = f"({score!r}"
+        ids = await self.client.zrevrangebyscore(index, top, "-inf", start=0, num=limit + 1)
+        jobs = [j for j in [await self.job(i) for i in ids[:limit]] if j]
         return jobs, len(ids) > limit
 
     async def update_job(self, job_id: str, fields: Mapping[str, Any]) -> None:
@@ -256,7 +273,8 @@ class BatchStore:
                        record: Mapping[str, Any], entry_id: str) -> bool:
         """Record an item's result once (first writer wins) and ack its entry; True if new.
 
-        `kind` is "output" or "error"."""
+        `kind` is "output" or "error". Nothing is recorded once the job has finished (its
+        files are written), so a straggler cannot change its counts."""
         value = json.dumps({"line": line, "kind": kind, "record": record},
                            separators=(",", ":"))
         counter = "completed" if kind == "output" else "failed"
@@ -264,7 +282,7 @@ class BatchStore:
             keys=[job_key(job_id, "results"), job_key(job_id), job_key(job_id, "items"),
                   job_key(job_id, "progress")],
             args=[custom_id, value, counter, entry_id, GROUP])
-        return bool(new)
+        return new == 1
 
     async def results(self, job_id: str) -> list[dict[str, Any]]:
         """Every result of a job, in input line order."""

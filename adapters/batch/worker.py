@@ -154,6 +154,10 @@ class Worker:
                 continue
             jobs[job_id] = JobInfo(job_id, raw["tenant"], raw["endpoint"], raw["status"],
                                    float(raw["expires_at"]), float(raw["created_at"]))
+        for info in jobs.values():
+            if info.tenant not in self.config.tenants and info.job_id not in self.jobs:
+                log.warning("job %s belongs to tenant %s, unknown to this worker's config: "
+                            "skipped", info.job_id, info.tenant)
         self.jobs = jobs
         for item in list(self._held.values()):
             job = jobs.get(item.job.job_id)
@@ -212,6 +216,7 @@ class Worker:
         async with self._pick_lock:
             now_s = self.clock()
             open_jobs = [j for j in self.jobs.values() if j.status == Status.IN_PROGRESS.value
+                         and j.tenant in self.config.tenants
                          and self._drained_until.get(j.job_id, 0.0) <= now_s]
             while open_jobs:
                 fair = await self.store.fair_state()
@@ -248,13 +253,12 @@ class Worker:
             await self.store.ack(job.job_id, item.entry_id)
             return
         body, line = spec["body"], int(spec["line"])
-        weight = self.config.tenants[job.tenant].weight if job.tenant in self.config.tenants \
-            else 1.0
+        tenant = self.config.tenants[job.tenant]
         max_out = remaining_tokens(body, 0) or DEFAULT_OUTPUT_TOKENS
         await self.store.charge(job.tenant, dispatch_cost_tokens(
-            prompt_estimate(job.endpoint, body), max_out) / weight)
+            prompt_estimate(job.endpoint, body), max_out) / tenant.weight)
         progress = _Progress.from_json(await self.store.progress(job.job_id, item.custom_id))
-        key = self.config.tenants[job.tenant].keys[0]
+        key = tenant.keys[0]
         assert self._session is not None
         while True:
             left = remaining_tokens(body, progress.tokens)
