@@ -32,6 +32,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "controller.cli.control",
     "controller.cli.batch",
     "controller.cli.report",
+    "controller.cli.drill",
 )
 
 
