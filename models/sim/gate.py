@@ -1,94 +1,62 @@
-"""Fleet admission of batch work under a `Budget`, as the router-side gate enforces it.
+"""Fleet admission of batch work in the simulator: the pool's `models.admission.PoolGate` (the
+model of the Lua gate) on simulated seconds.
 
-A batch request of cost `prompt + max_output` tokens is admitted when the budget's mode is
-open or ramp, the in-flight batch sequences stay within `max_batch_seqs`, the in-flight
-batch KV tokens (prompt + max output) within `max_batch_kv_tokens`, and the token bucket
-(rate `batch_tokens_per_s`, depth `batch_burst_tokens`) holds `min(cost, depth)` tokens;
-the cost is then taken from the bucket (it may go negative, so the long-run rate holds for
-requests larger than the depth). `max_batch_output_tokens` clamps each admitted request.
+A batch request is admitted or denied exactly as `adapters/lua/admit.lua` would decide it at
+that millisecond; a denial for the token bucket comes with the time until it holds the
+request, any other denial waits for a completion or a new budget. Admissions hold a lease as
+long as the run (the simulated router never crashes, so nothing needs renewing).
 """
 
 from __future__ import annotations
 
 import math
 
-from models.budget import Budget, Mode
+from models.admission import PoolGate
+from models.budget import Budget
 
-ADMITTING_MODES = (Mode.OPEN, Mode.RAMP)
+RETRY_MS = 1000  # retry hint of the gate (adapters.gate.DEFAULT_RETRY_MS)
+
+
+def now_ms(now_s: float) -> int:
+    """Simulated seconds as the gate's integer milliseconds (as `adapters.gate` passes them)."""
+    return int(now_s * 1000)
 
 
 class BatchGate:
-    """Token bucket plus sequence and KV caps over the fleet's in-flight batch requests."""
+    """Admission and release of the fleet's batch requests against the pool's `PoolGate`."""
 
-    def __init__(self) -> None:
-        self.budget: Budget | None = None
-        self.level_tokens = 0.0
-        self.last_s = 0.0
-        self.inflight_seqs = 0
-        self.inflight_kv_tokens = 0
+    def __init__(self, pool: PoolGate, lease_ms: int) -> None:
+        self.pool = pool
+        self.lease_ms = lease_ms
 
-    def set_budget(self, budget: Budget, now_s: float) -> None:
-        """Enforce `budget` from `now_s`; the bucket starts full on the first budget."""
-        if self.budget is None:
-            self.level_tokens = float(budget.batch_burst_tokens)
-        else:
-            self._refill(now_s)
-            self.level_tokens = min(self.level_tokens, float(budget.batch_burst_tokens))
-        self.budget = budget
-        self.last_s = now_s
+    @property
+    def budget(self) -> Budget | None:
+        """The record in force (None before the first publication)."""
+        return self.pool.record
 
-    def _refill(self, now_s: float) -> None:
-        b = self.budget
-        if b is not None and now_s > self.last_s:
-            self.level_tokens = min(
-                float(b.batch_burst_tokens),
-                self.level_tokens + b.batch_tokens_per_s * (now_s - self.last_s),
-            )
-        self.last_s = max(self.last_s, now_s)
+    @property
+    def inflight_seqs(self) -> int:
+        """Batch requests holding a reservation."""
+        return len(self.pool.requests)
 
-    def clamp_output(self, max_output_tokens: int) -> int:
-        """Max output tokens of a request admitted now (the budget's output cap applied)."""
-        b = self.budget
-        if b is None:
-            return max_output_tokens
-        return min(max_output_tokens, b.max_batch_output_tokens)
+    @property
+    def inflight_kv_tokens(self) -> int:
+        """KV tokens reserved by them (prompt + clamped max output each)."""
+        return self.pool.kv_tokens
 
-    def try_admit(self, prompt_tokens: int, max_output_tokens: int, now_s: float) -> float:
-        """Admit one request if the budget allows: 0.0 when admitted, else seconds to wait.
+    def try_admit(self, admission_id: str, prompt_tokens: int, max_output_tokens: int,
+                  now_s: float) -> tuple[float, int]:
+        """(0.0, clamped max output) when admitted; else (seconds to wait, 0): the bucket's
+        retry time for a `rate` denial, `inf` when only a completion or a new budget helps."""
+        decision = self.pool.admit(admission_id, prompt_tokens, max_output_tokens,
+                                   now_ms(now_s), lease_ms=self.lease_ms, retry_ms=RETRY_MS)
+        if decision.admitted:
+            return 0.0, decision.max_output_tokens
+        if decision.reason == "rate":
+            return decision.retry_after_ms / 1000.0, 0
+        return math.inf, 0
 
-        The wait is `inf` when only a completion (or a new budget) can make room.
-        """
-        b = self.budget
-        if b is None or b.mode not in ADMITTING_MODES or max_output_tokens <= 0:
-            return math.inf
-        cost = prompt_tokens + max_output_tokens
-        if (
-            self.inflight_seqs + 1 > b.max_batch_seqs
-            or self.inflight_kv_tokens + cost > b.max_batch_kv_tokens
-        ):
-            return math.inf
-        self._refill(now_s)
-        need = min(float(cost), float(b.batch_burst_tokens))
-        if self.level_tokens < need - 1e-6:
-            if b.batch_tokens_per_s <= 0:
-                return math.inf
-            return (need - self.level_tokens) / b.batch_tokens_per_s
-        self.level_tokens -= cost
-        self.inflight_seqs += 1
-        self.inflight_kv_tokens += cost
-        return 0.0
-
-    def release(self, kv_tokens: int) -> None:
-        """A batch request of KV cost `kv_tokens` left the fleet (done, revoked or lost)."""
-        self.inflight_seqs -= 1
-        self.inflight_kv_tokens -= kv_tokens
-
-    def over_caps(self) -> bool:
-        """True while in-flight batch work exceeds the current budget's caps."""
-        b = self.budget
-        if b is None:
-            return self.inflight_seqs > 0
-        return (
-            self.inflight_seqs > b.max_batch_seqs
-            or self.inflight_kv_tokens > b.max_batch_kv_tokens
-        )
+    def release(self, admission_id: str, output_tokens: int | None, now_s: float) -> int:
+        """A batch request left the fleet after generating `output_tokens`: free its
+        reservation and refund the unused output (-1 when the gate had revoked it)."""
+        return self.pool.release(admission_id, output_tokens, now_ms(now_s))

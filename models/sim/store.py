@@ -1,55 +1,60 @@
 """The simulator's budget store and leader election: what Redis is to the daemon's loop.
 
-`SimStore.publish` behaves as the Lua publish script does: a write from an epoch older than
-the newest is refused (`FencedError`); the record gets the envelope (epoch, seq, issued_at,
-ttl_ms); while the operator's stop switch is set the record written is a `stopped` one
-whatever the body says. Each stored record is handed to the simulation, which enforces it.
-`SimElection` is one replica that always holds the lease (the simulated pool has one daemon).
+`SimStore.publish` is `models.admission.PoolGate.publish`, the model of the Lua publish script:
+a write from an epoch older than the newest is refused (`FencedError`); the record gets its
+envelope (epoch, seq, issued_at, ttl_ms); while the operator's stop switch is set the record
+written is a `stopped` one whatever the body says; admissions beyond the new caps are revoked,
+newest first. Each stored record and its revocations are handed to the simulation, which
+enforces them. `SimElection` is one replica that always holds the lease (the simulated pool
+has one daemon).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from models.budget import Budget, Mode, closed_budget
-from models.errors import FencedError
+from models.admission import PoolGate
+from models.budget import Budget
+
+# Enforce a stored record from a time on, aborting the revoked admissions (newest first).
+Enforce = Callable[[Budget, tuple[str, ...], float], None]
 
 
 class SimStore:
     """One pool's budget record in the simulation (a `models.protocols.Store`)."""
 
-    def __init__(self, pool: str, enforce: Callable[[Budget, float], None]) -> None:
-        self.pool = pool
+    def __init__(self, pool: str, enforce: Enforce) -> None:
+        self.gate = PoolGate(pool)
         self.enforce = enforce
-        self.epoch_counter = 0
-        self.epoch = 0
-        self.seq = 0
-        self.stop: str | None = None
-        self.record: Budget | None = None
+
+    @property
+    def stop(self) -> str | None:
+        """The operator's stop switch (its reason), or None."""
+        return self.gate.stop_reason
+
+    @stop.setter
+    def stop(self, reason: str | None) -> None:
+        self.gate.stop_reason = reason
+
+    @property
+    def seq(self) -> int:
+        """Records written so far."""
+        return self.gate.seq
 
     def publish(self, budget: Budget, *, epoch: int, ttl_ms: int, now_s: float) -> Budget:
         """Store `budget` under `epoch` with a lease of `ttl_ms` and enforce it from `now_s`."""
-        newest = max(self.epoch_counter, self.epoch)
-        if epoch < newest:
-            raise FencedError(self.pool, epoch, newest)
-        self.epoch = epoch
-        if self.stop is not None:
-            budget = closed_budget(budget.pool, Mode.STOPPED,
-                                   f"stopped by operator: {self.stop}")
-        self.seq += 1
-        self.record = budget.with_envelope(epoch=epoch, seq=self.seq, issued_at_s=now_s,
-                                           ttl_ms=ttl_ms)
-        self.enforce(self.record, now_s)
-        return self.record
+        published = self.gate.publish(budget, epoch=epoch, ttl_ms=ttl_ms, now_s=now_s)
+        self.enforce(published.record, published.revoked, now_s)
+        return published.record
 
     def stop_reason(self) -> str | None:
         """The stop switch's reason, or None."""
-        return self.stop
+        return self.gate.stop_reason
 
     def next_epoch(self) -> int:
         """A new, higher epoch (the epoch counter a new leader increments)."""
-        self.epoch_counter += 1
-        return self.epoch_counter
+        self.gate.epoch_counter += 1
+        return self.gate.epoch_counter
 
 
 class SimElection:

@@ -99,7 +99,7 @@ def test_sim_store_applies_the_stop_switch_and_fences_old_epochs() -> None:
     """The simulated store writes a stopped record while stopped and refuses older epochs,
     as the Lua publish script does; a new leader gets a newer epoch."""
     enforced: list[Budget] = []
-    store = SimStore(SEED.pool, lambda budget, now_s: enforced.append(budget))
+    store = SimStore(SEED.pool, lambda budget, revoked, now_s: enforced.append(budget))
     election = SimElection(store)
     epoch = election.try_acquire()
     assert epoch == 1 and election.renew()

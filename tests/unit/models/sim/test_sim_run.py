@@ -156,8 +156,8 @@ def test_budget_caps_hold_and_revocation_is_newest_first() -> None:
     after_cut: list[str] = []
     enforce = sim.store.enforce
 
-    def enforce_and_look(budget: Budget, now_s: float) -> None:
-        enforce(budget, now_s)
+    def enforce_and_look(budget: Budget, revoked: tuple[str, ...], now_s: float) -> None:
+        enforce(budget, revoked, now_s)
         if now_s == 20:
             after_cut.extend(sim._batch_inflight)
 
