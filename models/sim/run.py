@@ -16,9 +16,10 @@ import hashlib
 from pathlib import Path
 
 from models.errors import InputError
+from models.sim.conversations import multi_turn
 from models.sim.cores import DEFAULT_ENGINE
 from models.sim.policies import ControllerCatalog, parse_policy
-from models.sim.scenario import Scenario
+from models.sim.scenario import MULTI_TURN, Scenario
 from models.sim.simulation import RunResult, Simulation
 from models.sim.trace import Lengths, Trace, load_lengths, load_trace, resolve_trace
 
@@ -30,8 +31,11 @@ _memory_cache: dict[str, float] = {}
 
 
 def load_inputs(scenario: Scenario, trace_path: str | Path | None = None) -> tuple[Trace, Lengths]:
-    """The interactive trace (given, or the scenario's) and the batch length pool."""
+    """The interactive trace (given, or the scenario's, in the scenario's shape) and the batch
+    length pool."""
     trace = load_trace(resolve_trace(trace_path or scenario.interactive_trace))
+    if scenario.interactive_shape == MULTI_TURN:
+        trace = multi_turn(trace)
     lengths = load_lengths(resolve_trace(scenario.batch.lengths_file))
     return trace, lengths
 

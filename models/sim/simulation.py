@@ -147,8 +147,8 @@ class Simulation:
         self._batch_available = (
             INF if scenario.batch.mode == BACKLOG else 0.0
         )
+        self.gate = BatchGate()
         self.store = SimStore(scenario.pool, self._enforce)
-        self.gate = BatchGate(self.store.gate, lease_ms=math.ceil(self.duration_s * 1000) + 1000)
         self.election = SimElection(self.store)
         self.loop: TickLoop | None = (
             policy.loop(self, self.store, self.election) if policy.loop is not None else None
@@ -170,9 +170,7 @@ class Simulation:
         self._pending: list[StepResult | None] = [None] * scenario.replicas
         self._gen = [0] * scenario.replicas
         self._waiting_first: dict[str, Request] = {}
-        # request id -> (request, job, admission id); admission id -> request id
-        self._batch_inflight: dict[str, tuple[Request, BatchJob, str]] = {}
-        self._admitted: dict[str, str] = {}
+        self._batch_inflight: dict[str, tuple[Request, BatchJob, int]] = {}
         self._wake_s = INF
         self.busy_s = 0.0
         self.batch_computed_tokens = 0
@@ -183,7 +181,6 @@ class Simulation:
         self.batch_preemptions = 0
         self.interactive_preemptions = 0
         self.revocations = 0
-        self.batch_admissions = 0
         self.budget_timeline: list[dict[str, object]] = []
 
     # -- events ----------------------------------------------------------------------------
@@ -289,9 +286,8 @@ class Simulation:
         entry = self._batch_inflight.pop(req.request_id, None)
         if entry is None:
             return
-        _, job, admission = entry
-        self._admitted.pop(admission, None)
-        self.gate.release(admission, req.output_tokens, now)
+        _, job, kv_cost = entry
+        self.gate.release(kv_cost)
         self.batch_recomputed_tokens += req.recomputed_tokens
         job.generated_tokens += req.output_tokens
         if job.remaining_output_tokens > 0:
@@ -317,15 +313,14 @@ class Simulation:
         gate = self.gate
         while self._batch_available >= 1 and len(self._batch_inflight) < concurrency:
             prompt, remaining = source.peek_cost()
-            admission = f"a{self.batch_admissions}"
-            wait, out = gate.try_admit(admission, prompt, remaining, now)
+            out = gate.clamp_output(remaining)
+            wait = gate.try_admit(prompt, out, now)
             if wait > 0:
                 wake = now + max(wait, 1e-3)
                 if wait < INF and wake < self._wake_s:
                     self._wake_s = wake
                     self._push(wake, _WAKE)
                 return
-            self.batch_admissions += 1
             job = source.next_job()
             job.attempts += 1
             self._batch_available -= 1
@@ -338,26 +333,26 @@ class Simulation:
                 priority=self.scenario.batch.priority,
             )
             r = self.fleet.route(req)
-            self._batch_inflight[req.request_id] = (req, job, admission)
-            self._admitted[admission] = req.request_id
+            self._batch_inflight[req.request_id] = (req, job, prompt + out)
             self._settle(r, now)
             if not self.fleet.engines[r].add_request(req):
                 raise InputError(f"batch request refused by the engine: {req.error}")
             self._kick(r, now)
 
-    def _revoke(self, revoked: tuple[str, ...], now: float) -> None:
-        """Abort the batch requests the gate revoked (newest first), as the adapters do."""
-        for admission in revoked:
-            rid = self._admitted.pop(admission, None)
-            if rid is None:
-                continue
-            req, job, _ = self._batch_inflight[rid]
+    def _revoke_over_caps(self, now: float) -> None:
+        """Abort in-flight batch requests, newest first, until the caps hold."""
+        gate = self.gate
+        for rid in reversed(list(self._batch_inflight)):
+            if not gate.over_caps():
+                return
+            req, job, kv_cost = self._batch_inflight[rid]
             engine = self.fleet.engines[req.replica]
             self._settle(req.replica, now)
             if engine.abort_request(rid) is None:
-                continue  # it completes in the step now running; the gate freed it already
+                continue  # it completes in the step now running; its end releases it
             del self._batch_inflight[rid]
             self.fleet.done(req)
+            gate.release(kv_cost)
             self.revocations += 1
             self._requeue_batch(req, job)
 
@@ -378,9 +373,10 @@ class Simulation:
 
     # -- enforcement of the stored budget, and the MetricsSource ----------------------------
 
-    def _enforce(self, budget: Budget, revoked: tuple[str, ...], now_s: float) -> None:
-        """Enforce the record the store took at `now_s` (the gate holds it already): abort
-        what it revoked, admit within it."""
+    def _enforce(self, budget: Budget, now_s: float) -> None:
+        """Enforce the record the store took at `now_s`: gate it, revoke beyond its caps,
+        admit within it."""
+        self.gate.set_budget(budget, now_s)
         if self.scenario.enforcement == ENGINE:
             self._share_engine_budget(now_s)
         self.budget_timeline.append(
@@ -396,7 +392,7 @@ class Simulation:
         )
         if self.source is None:
             return
-        self._revoke(revoked, now_s)
+        self._revoke_over_caps(now_s)
         self._pump_batch(now_s)
 
     def _share_engine_budget(self, now_s: float) -> None:
@@ -505,8 +501,7 @@ class Simulation:
             else:
                 entry = self._batch_inflight.pop(req.request_id, None)
                 if entry is not None:
-                    self._admitted.pop(entry[2], None)
-                    self.gate.release(entry[2], req.output_tokens, now)
+                    self.gate.release(entry[2])
                     self._requeue_batch(req, entry[1])
         self._pump_batch(now)
 
@@ -542,6 +537,7 @@ class Simulation:
         arr_t = self.arrivals.arrival_s.tolist()
         arr_p = self.arrivals.prompt_tokens.tolist()
         arr_o = self.arrivals.output_tokens.tolist()
+        arr_seg = self.arrivals.segments
         n_arr = len(arr_t)
         idx = 0
         heap = self._heap
@@ -592,7 +588,8 @@ class Simulation:
                     break
                 self.now_s = t_arr
                 p, o = arr_p[idx], arr_o[idx]
-                req = Request(f"i{idx}", INTERACTIVE, p, o, t_arr, priority=prio)
+                req = Request(f"i{idx}", INTERACTIVE, p, o, t_arr, priority=prio,
+                              segments=arr_seg[idx] if arr_seg is not None else ())
                 offered[min(int(t_arr), last_bin)] += p + o
                 idx += 1
                 self._submit_interactive(req, t_arr)

@@ -2,7 +2,9 @@
 
 Interactive traces come as the Azure LLM inference CSV (`TIMESTAMP,ContextTokens,
 GeneratedTokens`, absolute timestamps) or as JSONL (`timestamp` in ms, `input_length`,
-`output_length`). Arrival times are made relative to the first request. Batch lengths come
+`output_length`, and optionally Mooncake's `hash_ids`: the ids of the prompt's 512-token
+blocks, equal ids meaning equal content, which become the requests' content segments for
+prefix caching). Arrival times are made relative to the first request. Batch lengths come
 from the vidur summarization CSV (`num_prefill_tokens,num_decode_tokens,...`).
 A malformed file raises `InputError` naming the file and the line. Any file may be
 gzip-compressed (`.gz`).
@@ -30,6 +32,8 @@ from models.errors import InputError
 TRACES_ENV = "BORROWD_TRACES_DIR"
 PACKAGED_TRACES_DIR = Path(__file__).resolve().parent / "data"
 AZURE_HEADER = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+MOONCAKE_BLOCK_TOKENS = 512
+Segments = tuple[tuple[int, int], ...]  # (content id, tokens) runs of one prompt
 LENGTHS_HEADER = ("num_prefill_tokens", "num_decode_tokens")
 
 
@@ -41,6 +45,7 @@ class Trace:
     arrival_s: np.ndarray
     prompt_tokens: np.ndarray
     output_tokens: np.ndarray
+    segments: tuple[Segments, ...] | None = None  # per request, when the trace has content
 
     @property
     def span_s(self) -> float:
@@ -114,11 +119,13 @@ def load_trace(path: str | Path) -> Trace:
         raise InputError(f"trace file {path} holds no requests")
     rows.sort(key=lambda r: r[0])
     t = np.array([r[0] for r in rows], dtype=float)
+    with_content = any(r[3] for r in rows)
     return Trace(
         path=path,
         arrival_s=t - t[0],
         prompt_tokens=np.array([r[1] for r in rows], dtype=np.int64),
         output_tokens=np.array([r[2] for r in rows], dtype=np.int64),
+        segments=tuple(r[3] for r in rows) if with_content else None,
     )
 
 
@@ -162,15 +169,19 @@ def _positive(path: Path, lineno: int, name: str, text: str) -> int:
     return value
 
 
-def _read_azure_csv(path: Path, fh) -> list[tuple[float, int, int]]:
+Row = tuple[float, int, int, Segments]
+
+
+def _read_azure_csv(path: Path, fh: IO[str]) -> list[Row]:
     reader = csv.reader(fh)
     header = next(reader, None)
+    no_content: Segments = ()
     if header is None or tuple(h.strip() for h in header[:3]) != AZURE_HEADER:
         raise InputError(
             f"{path}:1: expected header {','.join(AZURE_HEADER)} (or JSONL), got "
             f"{','.join(header or [])!r}"
         )
-    rows = []
+    rows: list[Row] = []
     for lineno, row in enumerate(reader, start=2):
         if not row:
             continue
@@ -185,13 +196,14 @@ def _read_azure_csv(path: Path, fh) -> list[tuple[float, int, int]]:
                 ts,
                 _positive(path, lineno, "ContextTokens", row[1]),
                 _positive(path, lineno, "GeneratedTokens", row[2]),
+                no_content,
             )
         )
     return rows
 
 
-def _read_jsonl(path: Path, fh) -> list[tuple[float, int, int]]:
-    rows = []
+def _read_jsonl(path: Path, fh: IO[str]) -> list[Row]:
+    rows: list[Row] = []
     for lineno, line in enumerate(fh, start=1):
         if not line.strip():
             continue
@@ -208,11 +220,34 @@ def _read_jsonl(path: Path, fh) -> list[tuple[float, int, int]]:
             ts_ms = float(obj["timestamp"])
         except (TypeError, ValueError):
             raise InputError(f"{path}:{lineno}: bad timestamp {obj['timestamp']!r}") from None
+        prompt = _positive(path, lineno, "input_length", str(obj["input_length"]))
+        segments = _hash_segments(path, lineno, obj.get("hash_ids"), prompt)
         rows.append(
             (
                 ts_ms / 1000.0,
-                _positive(path, lineno, "input_length", str(obj["input_length"])),
+                prompt,
                 _positive(path, lineno, "output_length", str(obj["output_length"])),
+                segments,
             )
         )
     return rows
+
+
+def _hash_segments(path: Path, lineno: int, hash_ids: object, prompt: int) -> Segments:
+    """Mooncake `hash_ids` as content segments of 512 tokens (the last one shorter)."""
+    if hash_ids is None:
+        return ()
+    blocks = -(-prompt // MOONCAKE_BLOCK_TOKENS)
+    if not isinstance(hash_ids, list) or not all(
+        isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in hash_ids
+    ):
+        raise InputError(f"{path}:{lineno}: hash_ids must be a list of integers >= 0, "
+                         f"got {hash_ids!r}")
+    if len(hash_ids) > blocks:
+        raise InputError(f"{path}:{lineno}: hash_ids has {len(hash_ids)} ids for "
+                         f"input_length {prompt} (at most {blocks} blocks of "
+                         f"{MOONCAKE_BLOCK_TOKENS} tokens)")
+    return tuple(
+        (h, min(MOONCAKE_BLOCK_TOKENS, prompt - k * MOONCAKE_BLOCK_TOKENS))
+        for k, h in enumerate(hash_ids)
+    )

@@ -3,7 +3,9 @@
 Interactive: the trace's arrival times are compressed by `rate_scale` (2.0 = twice the
 trace's rate), repeated cyclically when the run outlasts the scaled trace, and compressed a
 further `multiplier` times inside a burst window; the trace's order and gaps keep their
-shape. Batch: jobs drawn with a seeded generator from a length pool, prompt scaled and
+shape. Content segments (prefix caching) repeat with the trace, their ids moved to a fresh
+range in each repetition so that a repeated request does not find its first copy cached.
+Batch: jobs drawn with a seeded generator from a length pool, prompt scaled and
 clipped; revoked jobs go back to the head of the backlog.
 """
 
@@ -14,8 +16,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from models.sim.prefix_cache import OUTPUT_ID
 from models.sim.scenario import BatchWorkload
-from models.sim.trace import Lengths, Trace
+from models.sim.trace import Lengths, Segments, Trace
 
 
 @dataclass(frozen=True)
@@ -25,6 +28,7 @@ class Arrivals:
     arrival_s: np.ndarray
     prompt_tokens: np.ndarray
     output_tokens: np.ndarray
+    segments: list[Segments] | None = None  # per request, when the trace has content
 
 
 def interactive_arrivals(
@@ -65,7 +69,24 @@ def interactive_arrivals(
         arrival_s=t,
         prompt_tokens=np.tile(trace.prompt_tokens, cycles)[keep],
         output_tokens=np.tile(trace.output_tokens, cycles)[keep],
+        segments=_repeat_segments(trace.segments, int(keep.sum())),
     )
+
+
+def _repeat_segments(segments: tuple[Segments, ...] | None, count: int) -> list[Segments] | None:
+    """The first `count` requests' segments over repeated cycles, ids shifted per cycle."""
+    if segments is None:
+        return None
+    n = len(segments)
+    stride = 1 + max((cid for segs in segments for cid, _ in segs), default=0)
+    out: list[Segments] = []
+    for i in range(count):
+        shift = (i // n) * stride
+        segs = segments[i % n]
+        out.append(segs if shift == 0 else tuple(
+            (cid + shift if cid != OUTPUT_ID else cid, length) for cid, length in segs
+        ))
+    return out
 
 
 class BatchJob:

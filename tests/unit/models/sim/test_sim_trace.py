@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from models.errors import InputError
+from models.sim.conversations import multi_turn, shared_prefix_frac
 from models.sim.scenario import BatchWorkload
 from models.sim.trace import (
     PACKAGED_TRACES_DIR,
@@ -159,3 +160,75 @@ def test_batch_source_scales_clips_and_requeues() -> None:
     assert min(j.prompt_tokens for j in jobs) >= 4
     src.push_front(jobs[5])
     assert src.next_job() is jobs[5]
+
+
+MOONCAKE = """{"timestamp": 0, "input_length": 1100, "output_length": 20, "hash_ids": [0, 1, 2]}
+{"timestamp": 500, "input_length": 700, "output_length": 10, "hash_ids": [0, 3]}
+{"timestamp": 900, "input_length": 30, "output_length": 5}
+"""
+
+
+def test_mooncake_hash_ids_become_content_segments(tmp_path: Path) -> None:
+    """Mooncake `hash_ids` give each prompt 512-token content runs (the last one shorter);
+    a request without them has content of its own."""
+    path = tmp_path / "mooncake.jsonl"
+    path.write_text(MOONCAKE)
+    trace = load_trace(path)
+    assert trace.segments == (((0, 512), (1, 512), (2, 76)), ((0, 512), (3, 188)), ())
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ('{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1, 2, 3]}',
+         r"hash_ids has 3 ids for input_length 600 \(at most 2 blocks"),
+        ('{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1, -2]}',
+         r"hash_ids must be a list of integers >= 0"),
+        ('{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": "ab"}',
+         r"hash_ids must be a list of integers >= 0, got 'ab'"),
+    ],
+    ids=["too-many", "negative", "not-a-list"],
+)
+def test_bad_hash_ids_are_named(tmp_path: Path, line: str, message: str) -> None:
+    """Bad `hash_ids` raise InputError naming the file, the line and the value."""
+    path = tmp_path / "bad.jsonl"
+    path.write_text(line + "\n")
+    with pytest.raises(InputError, match=r"bad\.jsonl:1: " + message):
+        load_trace(path)
+
+
+def test_repeated_trace_content_gets_fresh_ids() -> None:
+    """When a run outlasts the trace, its repetition keeps the sharing inside a cycle but
+    does not share with the first cycle; generated-token runs keep their id."""
+    trace = Trace(Path("t"), np.array([0.0, 1.0]), np.array([600, 700]), np.array([5, 5]),
+                  segments=(((3, 512), (4, 88)), ((3, 512), (-1, 5), (5, 183))))
+    arr = interactive_arrivals(trace, 1.0, 4.5)
+    assert arr.segments is not None
+    assert len(arr.segments) == len(arr.arrival_s) == 5
+    assert arr.segments[:2] == list(trace.segments)
+    assert arr.segments[2] == ((9, 512), (10, 88))
+    assert arr.segments[3] == ((9, 512), (-1, 5), (11, 183))
+
+
+def test_multi_turn_prompts_are_the_conversation_so_far() -> None:
+    """Each turn's prompt is an earlier turn's prompt and answer plus its own message; the
+    first turns are single messages; arrivals and outputs are unchanged; deterministic."""
+    n = 400
+    trace = Trace(Path("t"), np.arange(n, dtype=float), np.full(n, 100), np.full(n, 20))
+    conv = multi_turn(trace)
+    assert conv.segments is not None
+    assert np.array_equal(conv.arrival_s, trace.arrival_s)
+    assert np.array_equal(conv.output_tokens, trace.output_tokens)
+    assert conv.segments[0] == ((0, 100),)
+    by_prefix = {segs: i for i, segs in enumerate(conv.segments)}
+    continued = 0
+    for i, segs in enumerate(conv.segments):
+        assert segs[-1] == (i, 100)
+        assert conv.prompt_tokens[i] == sum(length for _, length in segs)
+        if len(segs) > 1:
+            continued += 1
+            assert segs[-2] == (-1, 20)
+            assert by_prefix[segs[:-2]] < i
+    assert 0.6 < continued / n < 0.85
+    assert 0.4 < shared_prefix_frac(conv) < 0.95
+    assert multi_turn(trace).segments == conv.segments
