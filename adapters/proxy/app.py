@@ -455,7 +455,7 @@ class ProxyServer:
         ("try another instance", nothing generated yet) go on to the next one."""
         assert self.client is not None
         headers = self._upstream_headers(request_id)
-        failures = []
+        refused = 0
         candidates = self.upstreams.candidates()
         for index, upstream in enumerate(candidates):
             UpstreamPool.acquire(upstream)
@@ -467,7 +467,7 @@ class ProxyServer:
                 log.warning("upstream %s failed for %s: %s (%s)", upstream.base_url,
                             request_id, exc, exc.kind)
                 if exc.kind == "connect":
-                    failures.append(exc.kind)
+                    refused += 1
                     continue
                 if exc.kind == "timeout":
                     raise UpstreamFailure(504, "timeout", "upstream timed out") from None
@@ -485,7 +485,7 @@ class ProxyServer:
                 UpstreamPool.release(upstream)
                 continue
             raise UpstreamStatus(upstream, resp)
-        raise UpstreamFailure(502, "error", f"no upstream reachable ({len(failures)} tried)")
+        raise UpstreamFailure(502, "error", f"no upstream reachable ({refused} tried)")
 
     async def _relay_error(self, out: Responder, resp: UpstreamResponse,
                            upstream: Upstream) -> None:
