@@ -147,8 +147,8 @@ class Simulation:
         self._batch_available = (
             INF if scenario.batch.mode == BACKLOG else 0.0
         )
-        self.gate = BatchGate()
         self.store = SimStore(scenario.pool, self._enforce)
+        self.gate = BatchGate(self.store.gate, lease_ms=math.ceil(self.duration_s * 1000) + 1000)
         self.election = SimElection(self.store)
         self.loop: TickLoop | None = (
             policy.loop(self, self.store, self.election) if policy.loop is not None else None
@@ -170,7 +170,9 @@ class Simulation:
         self._pending: list[StepResult | None] = [None] * scenario.replicas
         self._gen = [0] * scenario.replicas
         self._waiting_first: dict[str, Request] = {}
-        self._batch_inflight: dict[str, tuple[Request, BatchJob, int]] = {}
+        # request id -> (request, job, admission id); admission id -> request id
+        self._batch_inflight: dict[str, tuple[Request, BatchJob, str]] = {}
+        self._admitted: dict[str, str] = {}
         self._wake_s = INF
         self.busy_s = 0.0
         self.batch_computed_tokens = 0
@@ -181,6 +183,7 @@ class Simulation:
         self.batch_preemptions = 0
         self.interactive_preemptions = 0
         self.revocations = 0
+        self.batch_admissions = 0
         self.budget_timeline: list[dict[str, object]] = []
 
     # -- events ----------------------------------------------------------------------------
@@ -286,8 +289,9 @@ class Simulation:
         entry = self._batch_inflight.pop(req.request_id, None)
         if entry is None:
             return
-        _, job, kv_cost = entry
-        self.gate.release(kv_cost)
+        _, job, admission = entry
+        self._admitted.pop(admission, None)
+        self.gate.release(admission, req.output_tokens, now)
         self.batch_recomputed_tokens += req.recomputed_tokens
         job.generated_tokens += req.output_tokens
         if job.remaining_output_tokens > 0:
@@ -313,14 +317,15 @@ class Simulation:
         gate = self.gate
         while self._batch_available >= 1 and len(self._batch_inflight) < concurrency:
             prompt, remaining = source.peek_cost()
-            out = gate.clamp_output(remaining)
-            wait = gate.try_admit(prompt, out, now)
+            admission = f"a{self.batch_admissions}"
+            wait, out = gate.try_admit(admission, prompt, remaining, now)
             if wait > 0:
                 wake = now + max(wait, 1e-3)
                 if wait < INF and wake < self._wake_s:
                     self._wake_s = wake
                     self._push(wake, _WAKE)
                 return
+            self.batch_admissions += 1
             job = source.next_job()
             job.attempts += 1
             self._batch_available -= 1
@@ -333,26 +338,26 @@ class Simulation:
                 priority=self.scenario.batch.priority,
             )
             r = self.fleet.route(req)
-            self._batch_inflight[req.request_id] = (req, job, prompt + out)
+            self._batch_inflight[req.request_id] = (req, job, admission)
+            self._admitted[admission] = req.request_id
             self._settle(r, now)
             if not self.fleet.engines[r].add_request(req):
                 raise InputError(f"batch request refused by the engine: {req.error}")
             self._kick(r, now)
 
-    def _revoke_over_caps(self, now: float) -> None:
-        """Abort in-flight batch requests, newest first, until the caps hold."""
-        gate = self.gate
-        for rid in reversed(list(self._batch_inflight)):
-            if not gate.over_caps():
-                return
-            req, job, kv_cost = self._batch_inflight[rid]
+    def _revoke(self, revoked: tuple[str, ...], now: float) -> None:
+        """Abort the batch requests the gate revoked (newest first), as the adapters do."""
+        for admission in revoked:
+            rid = self._admitted.pop(admission, None)
+            if rid is None:
+                continue
+            req, job, _ = self._batch_inflight[rid]
             engine = self.fleet.engines[req.replica]
             self._settle(req.replica, now)
             if engine.abort_request(rid) is None:
-                continue  # it completes in the step now running; its end releases it
+                continue  # it completes in the step now running; the gate freed it already
             del self._batch_inflight[rid]
             self.fleet.done(req)
-            gate.release(kv_cost)
             self.revocations += 1
             self._requeue_batch(req, job)
 
@@ -373,10 +378,9 @@ class Simulation:
 
     # -- enforcement of the stored budget, and the MetricsSource ----------------------------
 
-    def _enforce(self, budget: Budget, now_s: float) -> None:
-        """Enforce the record the store took at `now_s`: gate it, revoke beyond its caps,
-        admit within it."""
-        self.gate.set_budget(budget, now_s)
+    def _enforce(self, budget: Budget, revoked: tuple[str, ...], now_s: float) -> None:
+        """Enforce the record the store took at `now_s` (the gate holds it already): abort
+        what it revoked, admit within it."""
         if self.scenario.enforcement == ENGINE:
             self._share_engine_budget(now_s)
         self.budget_timeline.append(
@@ -392,7 +396,7 @@ class Simulation:
         )
         if self.source is None:
             return
-        self._revoke_over_caps(now_s)
+        self._revoke(revoked, now_s)
         self._pump_batch(now_s)
 
     def _share_engine_budget(self, now_s: float) -> None:
@@ -501,7 +505,8 @@ class Simulation:
             else:
                 entry = self._batch_inflight.pop(req.request_id, None)
                 if entry is not None:
-                    self.gate.release(entry[2])
+                    self._admitted.pop(entry[2], None)
+                    self.gate.release(entry[2], req.output_tokens, now)
                     self._requeue_batch(req, entry[1])
         self._pump_batch(now)
 
