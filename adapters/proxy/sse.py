@@ -131,6 +131,7 @@ class _Choice:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def add_chat(self, choice: dict[str, Any]) -> None:
+        """Merge one chat chunk's choice: content, reasoning, tool call pieces, logprobs."""
         delta = choice.get("delta") or {}
         if delta.get("content"):
             self.texts.append(delta["content"])
@@ -149,6 +150,7 @@ class _Choice:
         self._add_logprobs(choice.get("logprobs"))
 
     def add_text(self, choice: dict[str, Any]) -> None:
+        """Merge one completions chunk's choice: text and logprobs."""
         if choice.get("text"):
             self.texts.append(choice["text"])
         self._add_logprobs(choice.get("logprobs"))
@@ -166,6 +168,7 @@ class _Choice:
                 self.logprobs[key] = value
 
     def finish(self, choice: dict[str, Any]) -> None:
+        """Keep the choice's finish reason (and vLLM's stop_reason) once it has one."""
         reason = choice.get("finish_reason")
         if reason is not None:
             self.finish_reason = reason
