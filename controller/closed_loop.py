@@ -24,6 +24,7 @@ import numpy as np
 import structlog
 
 from controller.config import BorrowdConfig, PoolConfig, config_from_mapping, example_config
+from controller.identify import tracked_series, tracked_signal
 from controller.loop import Controller, PoolLoop
 from controller.loop_metrics import DaemonMetrics
 from controller.policy import (
@@ -32,7 +33,6 @@ from controller.policy import (
     ControllerPolicy,
     Decision,
     derive_budget,
-    smooth_step,
 )
 from controller.pools import build_pool_policy
 from controller.supervisor import burning
@@ -275,15 +275,11 @@ def identify_on_simulator(
 ) -> PlantModel:
     """Excite the simulated fleet and fit its plant; `UnusableFitError` when it cannot."""
     policy = run_experiment(scenario, experiment)
-    slo = policy.config.slo()
     warmup = math.ceil(scenario.observe_window_s / experiment.tick_s) + 1
     obs = policy.observations[warmup:]
     u = np.asarray(policy.applied[warmup:])
     cfg = policy.config
-    outputs = {
-        name: _smoothed(_fill(np.array([norm(o, slo) for o in obs])), experiment.tick_s, cfg)
-        for name, norm in (("ttft", Observation.ttft_norm), ("itl", Observation.itl_norm))
-    }
+    outputs = tracked_series(obs, cfg, experiment.tick_s)
     rates = [o.interactive_tokens_per_s for o in obs if math.isfinite(o.interactive_tokens_per_s)]
     return identify_plant(
         u,
@@ -293,27 +289,5 @@ def identify_on_simulator(
         source=f"simulator scenario {scenario.name}, PRBS {experiment.u_low_tokens_per_s:g}-"
         f"{experiment.u_high_tokens_per_s:g} tokens/s, {experiment.duration_s:g} s",
         criteria=criteria,
+        signal=tracked_signal(cfg),
     )
-
-
-def _smoothed(y: np.ndarray, dt_s: float, config: ControllerConfig) -> np.ndarray:
-    """The series as the policy sees it: through the same asymmetric smoothing."""
-    out = np.empty(len(y))
-    prev = math.nan
-    for k, raw in enumerate(y):
-        prev = smooth_step(prev, float(raw), dt_s, config.filter_rise_s, config.filter_fall_s)
-        out[k] = prev
-    return out
-
-
-def _fill(y: np.ndarray) -> np.ndarray:
-    """Carry the last measured value over NaN gaps (none before the first: its value)."""
-    y = y.copy()
-    finite = np.flatnonzero(np.isfinite(y))
-    if len(finite) == 0:
-        raise InputError("the experiment measured no interactive latency at all")
-    y[: finite[0]] = y[finite[0]]
-    for k in range(finite[0] + 1, len(y)):
-        if not math.isfinite(y[k]):
-            y[k] = y[k - 1]
-    return y

@@ -100,7 +100,7 @@ def run_identify(args: argparse.Namespace) -> int:
     else:
         plant = identify_from_prometheus(args, criteria)
     plant.save(args.out)
-    print(f"plant written to {args.out} ({plant.source})")
+    print(f"plant written to {args.out} ({plant.source}; outputs: {plant.signal})")
     print(f"operating point: u0 {plant.u0_tokens_per_s:.0f} tokens/s, "
           f"interactive {plant.interactive_tokens_per_s:.0f} tokens/s")
     for out in plant.outputs:
@@ -109,6 +109,8 @@ def run_identify(args: argparse.Namespace) -> int:
             f"dead {out.dead_s:.1f} s  y0 {out.y0:.3f}  NRMSE {out.nrmse:.2f}  R^2 {out.r2:.2f}  "
             f"ARX R^2 {out.arx_r2:.2f}"
         )
+    for note in plant.unmodelled:
+        print(f"  not modelled: {note}")
     return 0
 
 

@@ -30,7 +30,7 @@ from scipy.optimize import linprog
 from controller.laws.base import OUTPUTS, LawSettings, LawTick, Proposal
 from controller.laws.feedforward import forecast
 from models.errors import ConfigError
-from models.plant.model import PlantModel
+from models.plant.model import SIGNAL_P95, PlantModel
 
 
 @dataclass(frozen=True)
@@ -214,6 +214,11 @@ class MpcLaw:
     def __init__(self, settings: LawSettings) -> None:
         if settings.plant is None:
             raise ConfigError("controller.law = 'mpc' needs a plant model (borrowd identify)")
+        if settings.plant.signal != SIGNAL_P95:
+            raise ConfigError(
+                "controller.law = 'mpc' keeps p95/SLO: its plant must be identified on "
+                f"{SIGNAL_P95} (control_on_burn = false), not {settings.plant.signal}"
+            )
         self.config = settings.table("mpc", MpcConfig)
         self.tick_s = settings.tick_s
         self.u_max_tokens_per_s = settings.u_max_tokens_per_s

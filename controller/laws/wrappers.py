@@ -4,7 +4,8 @@
   forecast, the feed-forward gain g and the budget change it implies,
   du_ff = -(g * peak(d_hat)[k] - g * peak(d_hat)[k-1]) (the PI adds it to its increment;
   the MPC plans on v = u + g * d).
-- `GainScheduled`: an RLS estimate of each output's local gain K_local; the wrapped law
+- `GainScheduled`: an RLS estimate of each output's local gain K_local (on the signal the
+  plant was identified on: the tracked SLO burn, or p95/SLO); the wrapped law
   gets ratio_i = clip(K_local_i / K_nominal_i, min_ratio, max_ratio) (1 until `min_samples`
   ticks, or without a plant), and scales its gains by it.
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from controller.laws.base import OUTPUTS, Law, LawSettings, LawTick, Proposal
+from controller.laws.base import OUTPUTS, Law, LawSettings, LawTick, Proposal, tracked_outputs
 from controller.laws.feedforward import (
     FeedForwardConfig,
     ForecastState,
@@ -22,6 +23,7 @@ from controller.laws.feedforward import (
     forecast_update,
 )
 from models.errors import ConfigError
+from models.plant.model import SIGNAL_BURN
 from models.plant.rls import LocalGain
 
 
@@ -106,6 +108,8 @@ class GainScheduled:
             for name in OUTPUTS
         )
         self.local_gains: tuple[LocalGain | None, ...] = (None,) * len(OUTPUTS)
+        # The RLS follows the signal the plant was identified on (the tracked burn, or p95).
+        self.on_burn = plant is not None and plant.signal == SIGNAL_BURN
         if plant is not None and config.enabled:
             self.local_gains = tuple(
                 LocalGain.start(
@@ -146,7 +150,9 @@ class GainScheduled:
             est.update(u_tokens_per_s, y, sched.forgetting, sched.max_trace)
             if est is not None
             else None
-            for est, y in zip(self.local_gains, tick.ys, strict=True)
+            for est, y in zip(
+                self.local_gains, tracked_outputs(tick) if self.on_burn else tick.ys, strict=True
+            )
         )
 
     def state(self) -> dict[str, float]:

@@ -1,8 +1,10 @@
 """The identified plant: a frozen `PlantModel`, its JSON form, and the usability check.
 
-Input u is the batch token budget (tokens/s); each output is an interactive p95 divided by
-its SLO (1.0 is the SLO line). A fit with the wrong sign (more batch must not lower latency),
-too little excitation, or a poor fit is refused with `UnusableFitError` naming the reason.
+Input u is the batch token budget (tokens/s); each output is the signal the law tracks
+(`signal`): the SLO burn (share of samples above the SLO over the 5% a p95 allows) or an
+interactive p95 divided by its SLO; 1.0 is the SLO line either way. A fit with the wrong sign
+(more batch must not lower latency), too little excitation, or a poor fit is refused with
+`UnusableFitError` naming the reason.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ from models.plant.arx import fit_arx
 from models.plant.fopdt import FopdtFit, fit_fopdt
 
 PLANT_SCHEMA = 1
+SIGNAL_BURN = "burn"
+SIGNAL_P95 = "p95_over_slo"
+SIGNALS = (SIGNAL_BURN, SIGNAL_P95)
 
 
 class UnusableFitError(InputError):
@@ -67,6 +72,8 @@ class PlantModel:
     outputs: tuple[OutputModel, ...]
     source: str
     schema: int = PLANT_SCHEMA
+    signal: str = SIGNAL_P95
+    unmodelled: tuple[str, ...] = ()
 
     def output(self, name: str) -> OutputModel:
         """The model of output `name`; `InputError` when the plant lacks it."""
@@ -103,9 +110,13 @@ class PlantModel:
                 )
                 for o in data["outputs"]
             )
-            return cls(**{**data, "outputs": outputs})
+            plant = cls(**{**data, "outputs": outputs,
+                           "unmodelled": tuple(data.get("unmodelled", ()))})
         except (KeyError, TypeError) as exc:
             raise InputError(f"plant model is malformed: {exc}") from None
+        if plant.signal not in SIGNALS:
+            raise InputError(f"plant model signal must be one of {SIGNALS}, got {plant.signal!r}")
+        return plant
 
     def save(self, path: Path) -> None:
         """Write the model to `path` as JSON."""
@@ -180,13 +191,21 @@ def identify_plant(
     interactive_tokens_per_s: float,
     source: str,
     criteria: FitCriteria | None = None,
+    signal: str = SIGNAL_P95,
 ) -> PlantModel:
-    """Fit FOPDT and ARX(2, 2, dead+1) models of every output; refuse an unusable result."""
+    """Fit FOPDT and ARX(2, 2, dead+1) models of every output (each the tracked `signal`);
+    refuse an unusable result."""
     criteria = criteria or FitCriteria()
     u = np.asarray(u, dtype=float)
     problems = excitation_problems(u, criteria)
     models = []
+    idle = []
     for name, y in outputs.items():
+        if signal == SIGNAL_BURN and not np.any(np.asarray(y, dtype=float) > 0):
+            # Never above its SLO over the whole experiment: the budget does not move this
+            # burn in the range tried; its loop keeps the default gains.
+            idle.append(f"{name}: burn stayed 0 (never above its SLO in the experiment)")
+            continue
         try:
             fit = fit_fopdt(u, np.asarray(y, dtype=float), dt_s, criteria.max_dead_s)
         except InputError as exc:
@@ -209,6 +228,8 @@ def identify_plant(
                 arx_r2=arx.r2,
             )
         )
+    if not models and not problems:
+        problems.extend(idle)
     if problems:
         raise UnusableFitError("unusable plant fit: " + "; ".join(problems))
     return PlantModel(
@@ -219,4 +240,6 @@ def identify_plant(
         interactive_tokens_per_s=interactive_tokens_per_s,
         outputs=tuple(models),
         source=source,
+        signal=signal,
+        unmodelled=tuple(idle),
     )

@@ -131,3 +131,23 @@ def test_rls_tracks_a_gain_change():
         if k == 599:
             assert est.gain() == pytest.approx(1e-5, rel=0.1)
     assert est.gain() == pytest.approx(2e-5, rel=0.1)
+
+
+def test_burn_plant_keeps_its_signal_and_leaves_an_idle_burn_out(tmp_path: Path):
+    """A plant fitted on SLO burns says so; a burn that never left 0 is left out with the
+    reason, and the plant round-trips through JSON with both."""
+    u = prbs(0.0, 40_000.0, 600.0, 1.0, 15.0, seed=6)
+    y = fopdt_response(u, 1e-5, 5.0, 2, 1.0)
+    plant = identify_plant(
+        u, {"ttft": np.zeros_like(y), "itl": y}, 1.0, interactive_tokens_per_s=900.0,
+        source="synthetic", signal="burn",
+    )
+    assert plant.signal == "burn"
+    assert [o.name for o in plant.outputs] == ["itl"]
+    assert "ttft" in plant.unmodelled[0]
+    path = tmp_path / "plant.json"
+    plant.save(path)
+    assert PlantModel.load(path) == plant
+    with pytest.raises(UnusableFitError, match="burn stayed 0"):
+        identify_plant(u, {"itl": np.zeros_like(y)}, 1.0, interactive_tokens_per_s=900.0,
+                       source="synthetic", signal="burn")
