@@ -113,7 +113,8 @@ def faults(workdir: Path, items: int, max_tokens: int, concurrency: int,
           f"responses of exactly max_tokens: {whole}/{len(outputs)}")
     print(f"engine-generated tokens {generated}, tokens in results {kept}, redone "
           f"{generated - kept} ({100 * (generated - kept) / max(1, generated):.2f}% of "
-          f"generated); worker-counted redone {figures['redone_tokens']}")
+          f"generated); redone as the job's figures bound it: "
+          f"{figures['redone_tokens']}..{figures['redone_tokens_max']}")
     print(f"revocations {figures['revocations']}, resumes {figures['resumes']} (re-prefilled "
           f"{figures['reprefill_tokens']} tokens), reclaimed {figures['reclaimed']}, 429s "
           f"{figures['rate_limited']}")

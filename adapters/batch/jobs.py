@@ -245,6 +245,10 @@ class BatchService:
             **counters,
             "redone_fraction": (round(counters["redone_tokens"] / counters["generated_tokens"], 5)
                                 if counters["generated_tokens"] else 0.0),
+            # What a dead worker generated after its last checkpoint is seen by no worker;
+            # it is under checkpoint_tokens per reclaimed item.
+            "redone_tokens_max": counters["redone_tokens"]
+            + counters["reclaimed"] * self.config.worker.checkpoint_tokens,
             "lateness_s": _float(job.get("lateness_s")),
             "projected_finish_at": _float(job.get("projected_finish_at")),
             "at_risk": job.get("at_risk") == "1",
