@@ -422,14 +422,14 @@ def build_report(pool: str, windows: Sequence[WindowSample], slo: Slo, cost: Cos
     )
 
 
-def _json_safe(value: object) -> object:
+def json_safe(value: object) -> object:
     """NaN and infinities as None, recursively (strict JSON)."""
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
+        return {k: json_safe(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_json_safe(v) for v in value]
+        return [json_safe(v) for v in value]
     return value
 
 
@@ -442,6 +442,6 @@ def report_json(report: Report) -> dict:
         for w, v in zip(report.windows, report.verdicts, strict=True)
     ]
     del data["verdicts"]
-    safe = _json_safe(data)
+    safe = json_safe(data)
     assert isinstance(safe, dict)
     return safe

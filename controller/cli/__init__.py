@@ -33,6 +33,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "controller.cli.batch",
     "controller.cli.report",
     "controller.cli.drill",
+    "controller.cli.rollout",
 )
 
 

@@ -29,6 +29,7 @@ from controller.cli.report import DEFAULT_PROMETHEUS, PROMETHEUS_ENV
 from controller.pool_figures import instant, recorded_p95s
 from controller.prom_source import PromClient, check_window, connect_prometheus
 from models.errors import BorrowdError, InputError
+from models.report import json_safe
 
 POLL_GATE_S = 0.02
 POLL_PROMETHEUS_S = 0.25
@@ -172,8 +173,8 @@ def _secs(value: float | None) -> str:
 
 def drill_json(drill: StopDrill) -> dict:
     """The drill as strict JSON (NaN as null), with `passed`."""
-    data = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-            for k, v in asdict(drill).items()}
+    data = json_safe(asdict(drill))
+    assert isinstance(data, dict)
     return {**data, "passed": drill.passed}
 
 
