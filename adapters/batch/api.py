@@ -15,6 +15,7 @@ import contextlib
 import json
 import logging
 
+import redis
 from aiohttp import BodyPartReader, web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
@@ -87,6 +88,9 @@ class BatchApi:
             return await handler(request)
         except ApiError as exc:
             return _error(exc.status, str(exc), exc.param, exc.code)
+        except redis.RedisError as exc:
+            log.warning("batch state store unreachable: %r", exc)
+            return _error(503, "batch state store unreachable, retry later", None, None)
 
     def _tenant(self, request: web.Request) -> str:
         scheme, _, key = request.headers.get("Authorization", "").partition(" ")
@@ -180,8 +184,8 @@ async def _read_limited(part: BodyPartReader, limit: int) -> bytes:
 
 
 def _error(status: int, message: str, param: str | None, code: str | None) -> web.Response:
-    kind = {401: "authentication_error", 404: "not_found_error"}.get(status,
-                                                                     "invalid_request_error")
+    kind = {401: "authentication_error", 404: "not_found_error",
+            503: "service_unavailable"}.get(status, "invalid_request_error")
     body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     return web.Response(status=status, body=json.dumps(body), content_type="application/json")
 
