@@ -212,6 +212,18 @@ async def test_connections_are_kept_for_interactive(redis_proc: ServerProcess) -
             writer.close()
 
 
+async def _batch_in_flight(session: aiohttp.ClientSession, port: int, count: int) -> None:
+    """Wait until the proxy's metrics show `count` batch requests in flight."""
+    needle = f'borrowd_proxy_inflight{{class="batch",pool="{POOL}"}} {float(count)}'
+    deadline_s = time.monotonic() + 10.0
+    while time.monotonic() < deadline_s:
+        async with session.get(f"http://127.0.0.1:{port}/metrics") as resp:
+            if needle in await resp.text():
+                return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"not {count} batch requests in flight within 10 s")
+
+
 async def test_sigterm_ends_batch_resumably(redis_proc: ServerProcess, tmp_path: Path) -> None:
     """SIGTERM to a real `borrowd proxy`: an opted-in batch stream ends with preempted
     (reason shutdown) and its text, an opted-in non-streaming one with a preempted body, a
@@ -238,6 +250,8 @@ async def test_sigterm_ends_batch_resumably(redis_proc: ServerProcess, tmp_path:
             async with session.post(post, json=_chat(3000, True),
                                     headers=_headers(BATCH_KEY, RESUMABLE)) as resp:
                 head = await _events(resp, limit=5)
+                await _batch_in_flight(session, proxy_port, 3)
+                await asyncio.sleep(0.2)  # the non-streaming two have generated some text
                 proxy.proc.send_signal(signal.SIGTERM)
                 rest = await asyncio.wait_for(_events(resp), 10.0)
             async with await whole_resumable as answer:
