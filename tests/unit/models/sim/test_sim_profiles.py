@@ -135,3 +135,22 @@ def test_unknown_profile_lists_the_known() -> None:
     """A profile that is neither built in nor a file names the built-in ones."""
     with pytest.raises(InputError, match=r"unknown profile 'b200' \(known: a100-llama3-70b-tp4"):
         get_profile("b200")
+
+
+def test_profile_fit_cli_writes_a_usable_profile(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """`borrowd profile fit` prints the held-out error and writes a profile file that
+    `get_profile` loads; a missing --layers is one line and exit 2."""
+    from controller.cli import main
+
+    out = tmp_path / "mine.toml"
+    source = str(VIDUR_DIR / "a100-meta-llama-3-70b.csv.gz")
+    assert main(["profile", "fit", source, "--gpu", "a100", "--layers", "80", "--tp", "4",
+                 "--name", "mine", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "held-out 91 rows: median abs error" in printed
+    assert get_profile(str(out)).linear_s(8192) == pytest.approx(
+        PROFILES["a100-llama3-70b-tp4"].linear_s(8192), rel=1e-5)
+    assert main(["profile", "fit", source, "--gpu", "a100"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "give --layers" in err[0]
