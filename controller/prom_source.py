@@ -113,7 +113,21 @@ def pool_queries(pool: str, window: str) -> tuple[PromQuery, ...]:
             "ttft_over_slo_frac",
             f"pool_class:borrowd_proxy_ttft_seconds:over_slo_ratio_rate{window}{inter}",
         ),
+        PromQuery(
+            "itl_samples", f"pool_class:borrowd_proxy_itl_seconds:count_increase{window}{inter}"
+        ),
+        PromQuery(
+            "ttft_samples", f"pool_class:borrowd_proxy_ttft_seconds:count_increase{window}{inter}"
+        ),
     )
+
+
+def window_seconds(window: str) -> float:
+    """A Prometheus duration such as `15s` or `1m` in seconds."""
+    check_window(window)
+    units = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+    unit = "ms" if window.endswith("ms") else window[-1]
+    return float(window[: -len(unit)]) * units[unit]
 
 
 def data_age_query(pool: str) -> str:
@@ -322,7 +336,8 @@ class PrometheusSource:
             except _QueryFailed as exc:
                 self._report(pool, "age_s", exc)
                 age_s = self.last_success_age_s(pool, now_s)
-        return Observation(now_s=now_s, age_s=age_s, **values)
+        return Observation(now_s=now_s, age_s=age_s, window_s=window_seconds(self._window),
+                           **values)
 
     def _query(self, expr: str) -> list[dict]:
         # No `time` parameter: Prometheus evaluates at its own now, so `time()` in the age

@@ -25,6 +25,7 @@ from controller.prom_source import (
     identification_series,
     pool_queries,
     query_range,
+    window_seconds,
 )
 from models.errors import InputError
 from models.signals import Observation
@@ -44,6 +45,8 @@ FIELD_VALUES = {
     "interactive_requests": 40.0,
     "itl_over_slo_frac": 0.02,
     "ttft_over_slo_frac": 0.0,
+    "itl_samples": 1200.0,
+    "ttft_samples": 40.0,
 }
 
 
@@ -106,6 +109,16 @@ def test_every_field_is_read_from_its_query() -> None:
         assert getattr(obs, name) == pytest.approx(value), name
     assert obs.age_s == pytest.approx(0.5)
     assert queried_missing(obs) == []
+
+
+@pytest.mark.parametrize(("window", "seconds"), [("15s", 15.0), ("1m", 60.0), ("500ms", 0.5)],
+                         ids=["15s", "1m", "500ms"])
+def test_observation_carries_its_window(window: str, seconds: float) -> None:
+    """Sample counts come with the window they were counted over, in seconds."""
+    assert window_seconds(window) == seconds
+    client = FakeClient(healthy_answers(), default=age_default())
+    source = PrometheusSource(client, window="15s", timeout_s=1.0)
+    assert source.observe("chat", 1000.0).window_s == 15.0
 
 
 @pytest.mark.parametrize("window", ["15s", "1m"], ids=["15s", "1m"])
