@@ -1,27 +1,41 @@
-"""`borrowd drill stop`: prove that the stop switch restores the interactive SLOs, and how fast.
+"""`borrowd drill stop|burst`: prove that stopping, or an interactive burst, takes batch out of
+the way and the interactive SLOs come back, and how fast.
 
-Sets the pool's stop switch, then measures from that moment: until the gate admits no batch
-request (probed), until the batch work in flight has drained or been revoked (the gate's
-reservations, then the proxies' in-flight gauge in Prometheus), and until the interactive
-p95s recorded after the drain are within their SLOs (Prometheus). Then it resumes, prints the
-times, writes them as JSON (`--out`) and keeps them at `borrowd:{POOL}:drill:stop`.
+stop: sets the pool's stop switch, then measures from that moment: until the gate admits no
+batch request (probed), until the batch work in flight has drained or been revoked (the
+gate's reservations, then the proxies' in-flight gauge in Prometheus), and until the
+interactive p95s recorded after the drain are within their SLOs (Prometheus). Then it
+resumes.
+
+burst: while batch is admitted, sends extra interactive chat through the proxy (the chat
+trace replayed at --rate-scale for --duration-s) and measures from the burst's start: until
+the controller's budget admits no batch, until the batch in flight is gone (gate), the
+highest recorded interactive p95s, and from the burst's end until the recorded p95s are
+within SLO again.
+
+Each drill prints its times, writes them as JSON (`--out`) and keeps them at
+`borrowd:{POOL}:drill:{stop|burst}`.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import math
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import redis
 
 from adapters.ceiling import drill_key, write_record
 from adapters.gate import Gate
+from adapters.loadgen import LoadgenConfig, run_load, summarize
 from adapters.redis_conn import connect, redact_url, resolve_redis_url
 from adapters.store import BudgetStore
 from controller.cli.ops import require_known_pool
@@ -30,9 +44,12 @@ from controller.pool_figures import instant, recorded_p95s
 from controller.prom_source import PromClient, check_window, connect_prometheus
 from models.errors import BorrowdError, InputError
 from models.report import json_safe
+from models.sim.trace import Lengths, Trace, load_trace, resolve_trace
 
 POLL_GATE_S = 0.02
 POLL_PROMETHEUS_S = 0.25
+# The burst sends interactive requests only (no batch workers draw from this).
+NO_BATCH = Lengths(Path("none"), np.zeros(0, dtype=int), np.zeros(0, dtype=int))
 
 
 @dataclass(frozen=True)
@@ -62,30 +79,48 @@ class StopDrill:
                             self.drained_prometheus_s, self.slo_restored_s)
 
 
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--pool", required=True, help="pool name")
+    parser.add_argument("--redis", default=None, metavar="URL",
+                        help="Redis URL (default: $BORROWD_REDIS_URL, then "
+                             "redis://127.0.0.1:6379/0)")
+    parser.add_argument("--prometheus", metavar="URL", default=None,
+                        help=f"Prometheus base URL (default ${PROMETHEUS_ENV}, then "
+                             f"{DEFAULT_PROMETHEUS})")
+    parser.add_argument("--window", default="15s",
+                        help="recording-rule window of the p95s read (15s or 1m; default 15s)")
+    parser.add_argument("--slo-ttft-s", type=float, default=1.0, help="p95 TTFT SLO, s")
+    parser.add_argument("--slo-itl-s", type=float, default=0.05, help="p95 ITL SLO, s")
+    parser.add_argument("--timeout-s", type=float, default=120.0,
+                        help="longest wait for each milestone, s (default 120)")
+    parser.add_argument("--out", type=Path, help="write the times here as JSON")
+    parser.add_argument("--force", action="store_true",
+                        help="drill a pool no daemon has registered (else refused, exit 2)")
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add `drill` with its `stop` drill."""
+    """Add `drill` with its `stop` and `burst` drills."""
     drill = subparsers.add_parser("drill", help="rollout drills on a live pool")
     kinds = drill.add_subparsers(dest="drill", metavar="DRILL", required=True)
     stop = kinds.add_parser(
-        "stop", help="set the stop switch, time batch closing and the SLOs' return, resume",
-        description=__doc__.split("\n\n")[1].replace("\n", " ") if __doc__ else None)
-    stop.add_argument("--pool", required=True, help="pool name")
-    stop.add_argument("--redis", default=None, metavar="URL",
-                      help="Redis URL (default: $BORROWD_REDIS_URL, then "
-                           "redis://127.0.0.1:6379/0)")
-    stop.add_argument("--prometheus", metavar="URL", default=None,
-                      help=f"Prometheus base URL (default ${PROMETHEUS_ENV}, then "
-                           f"{DEFAULT_PROMETHEUS})")
-    stop.add_argument("--window", default="15s",
-                      help="recording-rule window of the p95s read (15s or 1m; default 15s)")
-    stop.add_argument("--slo-ttft-s", type=float, default=1.0, help="p95 TTFT SLO, s")
-    stop.add_argument("--slo-itl-s", type=float, default=0.05, help="p95 ITL SLO, s")
-    stop.add_argument("--timeout-s", type=float, default=120.0,
-                      help="longest wait for each milestone, s (default 120)")
-    stop.add_argument("--out", type=Path, help="write the times here as JSON")
-    stop.add_argument("--force", action="store_true",
-                      help="drill a pool no daemon has registered (else refused, exit 2)")
+        "stop", help="set the stop switch, time batch closing and the SLOs' return, resume")
+    _common(stop)
     stop.set_defaults(func=cmd_drill_stop)
+    burst = kinds.add_parser(
+        "burst", help="send an interactive burst while batch runs; time the cut and recovery")
+    _common(burst)
+    burst.add_argument("--proxy", required=True, metavar="URL", help="proxy base URL")
+    burst.add_argument("--interactive-key", required=True, help="API key of an interactive "
+                                                                "tenant")
+    burst.add_argument("--model", default="emulated-llama-3-8b", help="model name to request")
+    burst.add_argument("--rate-scale", type=float, default=3.0,
+                       help="burst rate: trace seconds per wall second (default 3)")
+    burst.add_argument("--duration-s", type=float, default=30.0,
+                       help="burst length, s (default 30)")
+    burst.add_argument("--max-output-tokens", type=int, default=64,
+                       help="clip of the trace's output lengths (default 64)")
+    burst.add_argument("--trace", default="azure2023_conv.csv", help="interactive trace")
+    burst.set_defaults(func=cmd_drill_burst)
 
 
 def _until(predicate: Callable[[], bool], start: float, timeout_s: float,
@@ -171,8 +206,156 @@ def _secs(value: float | None) -> str:
     return "NOT REACHED" if value is None else f"{value:.3f} s"
 
 
-def drill_json(drill: StopDrill) -> dict:
-    """The drill as strict JSON (NaN as null), with `passed`."""
+@dataclass(frozen=True)
+class BurstDrill:
+    """Seconds from the burst's start to the cut and drain, from its end to the SLOs' return
+    (None: not within the limit); the highest recorded p95s; the burst's own requests."""
+
+    pool: str
+    started_at_s: float
+    duration_s: float
+    rate_scale: float
+    no_admission_s: float | None
+    drained_gate_s: float | None
+    slo_restored_after_end_s: float | None
+    ttft_p95_peak_s: float
+    itl_p95_peak_s: float
+    slo_ttft_p95_s: float
+    slo_itl_p95_s: float
+    burst_requests: int
+    burst_success_rate: float | None
+    burst_ttft_p95_s: float | None
+
+    @property
+    def passed(self) -> bool:
+        """True when batch was cut, drained, and the SLOs came back."""
+        return None not in (self.no_admission_s, self.drained_gate_s,
+                            self.slo_restored_after_end_s)
+
+
+def _burst_in_thread(config: LoadgenConfig, trace: Trace) -> tuple[threading.Thread, list]:
+    """Run the burst's requests (no batch workers) in a thread; its records land in the
+    returned list."""
+    out: list = []
+
+    def run() -> None:
+        try:
+            out.extend(asyncio.run(run_load(config, trace, NO_BATCH)))
+        except Exception as exc:  # re-raised by the caller, from `out`
+            out.append(exc)
+
+    thread = threading.Thread(target=run, name="drill-burst", daemon=True)
+    thread.start()
+    return thread, out
+
+
+def run_burst_drill(client: redis.Redis, prom: PromClient, pool: str, config: LoadgenConfig,
+                    trace: Trace, *, window: str, slo_ttft_s: float, slo_itl_s: float,
+                    timeout_s: float, report: Callable[[str], None]) -> BurstDrill:
+    """Send the burst, watch the budget, the gate and the recorded p95s; the times."""
+    store = BudgetStore(client, pool)
+    gate = Gate(client, pool)
+    started_at_s = time.time()
+    start = time.monotonic()
+    thread, records = _burst_in_thread(config, trace)
+    report(f"burst of {config.rate_scale:g}x the trace for {config.duration_s:g} s started")
+    cut_s = drained_s = restored_s = None
+    peaks = [0.0, 0.0]
+    next_prom = start
+    while time.monotonic() - start < config.duration_s + timeout_s:
+        now = time.monotonic()
+        if cut_s is None:
+            budget = store.read(time.time())
+            if budget is None or not budget.admits_batch:
+                cut_s = now - start
+                why = f"{budget.mode.value}: {budget.reason}" if budget else "no record"
+                report(f"no batch admitted after {cut_s:.3f} s ({why})")
+        if cut_s is not None and drained_s is None and gate.inflight().seqs == 0:
+            drained_s = now - start
+            report(f"in-flight batch drained or revoked (gate) after {drained_s:.3f} s")
+        if now >= next_prom:
+            next_prom = now + POLL_PROMETHEUS_S
+            p95s = recorded_p95s(prom, pool, window)
+            peaks = [max(peaks[0], _finite(p95s.ttft_p95_s)),
+                     max(peaks[1], _finite(p95s.itl_p95_s))]
+            ended_at_s = started_at_s + config.duration_s
+            if (p95s.evaluated_at_s >= ended_at_s and not p95s.ttft_p95_s > slo_ttft_s
+                    and not p95s.itl_p95_s > slo_itl_s):
+                restored_s = p95s.evaluated_at_s - ended_at_s
+                report(f"interactive p95s within SLO {restored_s:.3f} s after the burst ended "
+                       f"(TTFT {p95s.ttft_p95_s:.3g} s, ITL {p95s.itl_p95_s:.3g} s)")
+                break
+        time.sleep(POLL_GATE_S)
+    thread.join(timeout=config.request_timeout_s)
+    failure = next((r for r in records if isinstance(r, Exception)), None)
+    if failure is not None:
+        raise failure
+    summary = summarize(records)
+    report(f"burst: {summary['interactive_requests']} requests, success rate "
+           f"{summary['interactive_success_rate']}, client p95 TTFT "
+           f"{summary['interactive_ttft_p95_s']}")
+    return BurstDrill(
+        pool=pool, started_at_s=started_at_s, duration_s=config.duration_s,
+        rate_scale=config.rate_scale, no_admission_s=cut_s, drained_gate_s=drained_s,
+        slo_restored_after_end_s=restored_s, ttft_p95_peak_s=peaks[0], itl_p95_peak_s=peaks[1],
+        slo_ttft_p95_s=slo_ttft_s, slo_itl_p95_s=slo_itl_s,
+        burst_requests=summary["interactive_requests"],
+        burst_success_rate=summary["interactive_success_rate"],
+        burst_ttft_p95_s=summary["interactive_ttft_p95_s"])
+
+
+def _finite(value: float) -> float:
+    return value if math.isfinite(value) else 0.0
+
+
+def _check_common(args: argparse.Namespace) -> None:
+    check_window(args.window)
+    for name in ("slo_ttft_s", "slo_itl_s", "timeout_s"):
+        value = getattr(args, name)
+        if not (math.isfinite(value) and value > 0):
+            raise InputError(f"--{name.replace('_', '-')} must be > 0, got {value}")
+
+
+def _finish(client: redis.Redis, pool: str, kind: str, record: dict, out: Path | None) -> None:
+    write_record(client, drill_key(pool, kind), record)
+    text = json.dumps(record, indent=1, sort_keys=True)
+    if out is not None:
+        out.write_text(text)
+    print(text)
+
+
+def cmd_drill_burst(args: argparse.Namespace) -> int:
+    """Run the burst drill; exit 0 when batch was cut and the SLOs came back, 1 otherwise."""
+    _check_common(args)
+    config = LoadgenConfig(
+        proxy_url=args.proxy.rstrip("/"), interactive_key=args.interactive_key,
+        batch_key=args.interactive_key, model=args.model, duration_s=args.duration_s,
+        rate_scale=args.rate_scale, interactive_max_output_tokens=args.max_output_tokens,
+        batch_workers=0)
+    trace = load_trace(resolve_trace(args.trace))
+    url = resolve_redis_url(args.redis)
+    prom = connect_prometheus(args.prometheus or os.environ.get(PROMETHEUS_ENV)
+                              or DEFAULT_PROMETHEUS, 10.0)
+    try:
+        client = connect(url)
+        require_known_pool(client, args.pool, args.force)
+        budget = BudgetStore(client, args.pool).read(time.time())
+        if budget is None or not budget.admits_batch:
+            raise BorrowdError(f"pool {args.pool!r} admits no batch now; a burst drill "
+                               "measures how borrowing gets out of the way, so run it while "
+                               "batch is admitted")
+        drill = run_burst_drill(client, prom, args.pool, config, trace, window=args.window,
+                                slo_ttft_s=args.slo_ttft_s, slo_itl_s=args.slo_itl_s,
+                                timeout_s=args.timeout_s,
+                                report=lambda line: print(f"drill burst: {line}", flush=True))
+        _finish(client, args.pool, "burst", _drill_json(drill), args.out)
+    except redis.RedisError as exc:
+        raise BorrowdError(f"Redis at {redact_url(url)}: {exc}") from None
+    return 0 if drill.passed else 1
+
+
+def _drill_json(drill: StopDrill | BurstDrill) -> dict:
+    """A drill as strict JSON (NaN as null), with `passed`."""
     data = json_safe(asdict(drill))
     assert isinstance(data, dict)
     return {**data, "passed": drill.passed}
@@ -180,11 +363,7 @@ def drill_json(drill: StopDrill) -> dict:
 
 def cmd_drill_stop(args: argparse.Namespace) -> int:
     """Run the stop drill; exit 0 when every milestone was reached, 1 otherwise."""
-    check_window(args.window)
-    for name in ("slo_ttft_s", "slo_itl_s", "timeout_s"):
-        value = getattr(args, name)
-        if not (math.isfinite(value) and value > 0):
-            raise InputError(f"--{name.replace('_', '-')} must be > 0, got {value}")
+    _check_common(args)
     url = resolve_redis_url(args.redis)
     prom = connect_prometheus(args.prometheus or os.environ.get(PROMETHEUS_ENV)
                               or DEFAULT_PROMETHEUS, 10.0)
@@ -199,12 +378,7 @@ def cmd_drill_stop(args: argparse.Namespace) -> int:
                                slo_ttft_s=args.slo_ttft_s, slo_itl_s=args.slo_itl_s,
                                timeout_s=args.timeout_s,
                                report=lambda line: print(f"drill stop: {line}", flush=True))
-        record = drill_json(drill)
-        write_record(client, drill_key(args.pool, "stop"), record)
+        _finish(client, args.pool, "stop", _drill_json(drill), args.out)
     except redis.RedisError as exc:
         raise BorrowdError(f"Redis at {redact_url(url)}: {exc}") from None
-    text = json.dumps(record, indent=1, sort_keys=True)
-    if args.out is not None:
-        args.out.write_text(text)
-    print(text)
     return 0 if drill.passed else 1
