@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 from models.enforcement import (
     DEFAULT_MIN_BATCH_TOKENS_PER_STEP,
@@ -41,6 +42,8 @@ __all__ = [
     "batch_tokens_per_step",
     "engine_share",
 ]
+
+N = TypeVar("N", int, float)
 
 DEFAULT_BATCH_PRIORITY = BATCH_PRIORITY  # what the proxy and the gate tag batch work with
 DEFAULT_POLL_S = 1.0
@@ -90,7 +93,7 @@ class PluginConfig:
         )
 
 
-def _env_number(env: Mapping[str, str], name: str, kind: type, default: float) -> float:
+def _env_number(env: Mapping[str, str], name: str, kind: type[N], default: N) -> N:
     text = env.get(name)
     if text is None or text == "":
         return default

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -28,23 +28,48 @@ from models.signals import Observation
 class ModeEventLike(Protocol):
     """A supervisor transition (`controller.supervisor.ModeEvent`)."""
 
-    from_mode: Mode
-    to_mode: Mode
-    reason: str
+    @property
+    def from_mode(self) -> Mode:
+        """The mode left."""
+        ...
+
+    @property
+    def to_mode(self) -> Mode:
+        """The mode entered."""
+        ...
+
+    @property
+    def reason(self) -> str:
+        """Why."""
+        ...
 
 
 class DecisionLike(Protocol):
     """One tick's decision (`controller.policy.Decision`)."""
 
-    budget: Budget
-    u_law: float
-    events: tuple[ModeEventLike, ...]
+    @property
+    def budget(self) -> Budget:
+        """The budget decided."""
+        ...
+
+    @property
+    def u_law(self) -> float:
+        """The law's own proposal (tokens/s), before the supervisor."""
+        ...
+
+    @property
+    def events(self) -> Sequence[ModeEventLike]:
+        """Mode transitions of this tick."""
+        ...
 
 
 class Controller(Protocol):
     """A pool's control policy (`controller.policy.ControllerPolicy`)."""
 
-    tick_s: float
+    @property
+    def tick_s(self) -> float:
+        """The control period."""
+        ...
 
     def step(self, obs: Observation, now_s: float, *, stopped: bool = False) -> DecisionLike:
         """Decide the next budget; `stopped` when the operator's stop switch is set."""

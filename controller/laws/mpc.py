@@ -185,7 +185,7 @@ def mpc_step(
         steps = np.arange(1, n + 1)[:, None] - np.arange(moves)[None, :] - o.dead_steps
         s = np.where(steps >= 1, o.gain * (1 - o.pole ** np.maximum(steps, 0)), 0.0)
         active = steps[:, 0] >= 1
-        for j in np.nonzero(active)[0]:
+        for j in np.nonzero(active)[0].tolist():
             rows.append(np.concatenate([s[j], [-1.0]]))
             rhs.append(o.setpoint - free[j])
     zero = np.zeros(1)

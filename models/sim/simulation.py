@@ -263,7 +263,8 @@ class Simulation:
             rec.itl_w.append(1)
             rec.itl_batch.append(with_batch)
         for req in res.first_tokens:
-            if req.klass == INTERACTIVE and self._waiting_first.pop(req.request_id, None):
+            if (req.klass == INTERACTIVE
+                    and self._waiting_first.pop(req.request_id, None) is not None):
                 rec.ttft_t.append(end)
                 rec.ttft_s.append(end - req.submitted_s)
         if res.preempted:
@@ -573,7 +574,7 @@ class Simulation:
                 else:
                     res = pending[r]
                     pending[r] = None
-                self._apply(res)  # type: ignore[arg-type]
+                self._apply(res)
                 if pending[r] is None and plans[r] is None:
                     if spans:
                         plan = engines[r].plan_decode_span(t, t_ev if t_ev < duration else duration)  # type: ignore[attr-defined]
