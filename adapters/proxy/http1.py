@@ -56,6 +56,10 @@ class ServerLimits:
     """Open client connections; past it idle ones are closed, else the newcomer gets 503."""
 
 
+LINGER_S = 2.0
+"""How long a refused client may go on sending (dropped) before the connection closes."""
+
+
 class _StopReading(Exception):
     """Read no more from this connection: its handler answers and closes it."""
 
@@ -227,6 +231,8 @@ class _Connection(asyncio.Protocol):
         self._headers: dict[str, str] = {}
         self._header_bytes = 0
         self._header_count = 0
+        self._head_fresh = True
+        self._head_bytes_read = 0
         self._body: list[bytes] = []
         self._body_bytes = 0
         self._discarding = False
@@ -271,12 +277,16 @@ class _Connection(asyncio.Protocol):
             return
         try:
             self._parser.feed_data(data)
+            if self.reading == "head":
+                self._count_unfinished_head(len(data))
         except httptools.HttpParserCallbackError as exc:
             refusal = exc.__context__
             if isinstance(refusal, _Refusal):
                 self._refuse(refusal.status, str(refusal))
             elif not isinstance(refusal, _StopReading):
                 raise
+        except _Refusal as refusal:
+            self._refuse(refusal.status, str(refusal))
         except httptools.HttpParserUpgrade:
             self._refuse(400, "protocol upgrades are not supported")
         except httptools.HttpParserError as exc:
@@ -293,6 +303,20 @@ class _Connection(asyncio.Protocol):
         if self._transport is not None and not self.closed:
             self._transport.close()
 
+    def linger(self) -> None:
+        """Close once the client has had the answer: half-close, read and drop what it still
+        sends for up to `LINGER_S`, then close (as nginx's lingering close). Closing with
+        unread bytes would make the kernel reset the connection, and the client could lose
+        the 413 or 431 it is owed."""
+        self._closing = True
+        self._discarding = True
+        transport = self._transport
+        if transport is None or self.closed or not transport.can_write_eof():
+            self.close()
+            return
+        transport.write_eof()
+        asyncio.get_running_loop().call_later(LINGER_S, self.close)
+
     def _refuse(self, status: int, message: str, retry_after_s: int | None = None) -> None:
         """Answer a request the server will not hand on, then close."""
         self._discarding = True
@@ -303,7 +327,9 @@ class _Connection(asyncio.Protocol):
                 headers["Retry-After"] = str(retry_after_s)
             self.write(response_head(status, headers, keep_alive=False,
                                      content_length=len(body)) + body)
-        self.close()
+            self.linger()
+        else:
+            self.close()
 
     def expire(self, now_s: float) -> None:
         """Close the connection if it sat past a limit: idle, or slow to send its request."""
@@ -321,6 +347,8 @@ class _Connection(asyncio.Protocol):
     def on_message_begin(self) -> None:
         self.reading = "head"
         self.since_s = time.monotonic()
+        self._head_fresh = True
+        self._head_bytes_read = 0
         self._url = b""
         self._headers = {}
         self._header_bytes = 0
@@ -341,6 +369,19 @@ class _Connection(asyncio.Protocol):
         text = value.decode("latin-1")
         previous = self._headers.get(key)
         self._headers[key] = text if previous is None else f"{previous}, {text}"
+
+    def _count_unfinished_head(self, size: int) -> None:
+        """Bound a head still arriving: httptools hands a header over only once its value
+        has ended, buffering it until then, so a never-ending header line is counted here.
+        The read a head began in is not counted (part of it may be the previous request);
+        a head is refused past `max_header_bytes` plus one read."""
+        if self._head_fresh:
+            self._head_fresh = False
+            return
+        self._head_bytes_read += size
+        if self._head_bytes_read > self._limits.max_header_bytes:
+            raise _Refusal(431, f"request line and headers exceed "
+                                f"{self._limits.max_header_bytes} bytes")
 
     def _count_header_bytes(self, size: int) -> None:
         self._header_bytes += size
@@ -431,7 +472,10 @@ class _Connection(asyncio.Protocol):
             self.close()
             return
         if not responder.keep_alive:
-            self.close()
+            if self._discarding:
+                self.linger()  # the client may still be sending the body it was refused
+            else:
+                self.close()
 
 
 def start_eagerly(coro: Coroutine[Any, Any, None]) -> asyncio.Task:

@@ -17,18 +17,30 @@ MAX_BODY = 256
 
 
 class _Transport:
-    """Collects what the server writes; records a close."""
+    """Collects what the server writes; records a half-close (lingering) or a close."""
 
     def __init__(self) -> None:
         self.out = bytearray()
         self.closed = False
+        self.eof = False
 
     def write(self, data: bytes) -> None:
-        assert not self.closed, "write after close"
+        assert not (self.closed or self.eof), "write after close"
         self.out += data
 
     def close(self) -> None:
         self.closed = True
+
+    def can_write_eof(self) -> bool:
+        return True
+
+    def write_eof(self) -> None:
+        self.eof = True
+
+    @property
+    def done(self) -> bool:
+        """The server has finished with this connection (closed or lingering)."""
+        return self.closed or self.eof
 
     def get_extra_info(self, _name: str, default: object = None) -> object:
         return default
@@ -53,11 +65,11 @@ def _feed(pieces: list[bytes]) -> _Transport:
         transport = _Transport()
         conn.connection_made(transport)  # type: ignore[arg-type]
         for piece in pieces:
-            if transport.closed:
+            if transport.done:
                 break
             conn.data_received(piece)
             for _ in range(100):  # each pipelined answer takes a loop turn or two
-                if conn.idle or transport.closed:
+                if conn.idle or transport.done:
                     break
                 await asyncio.sleep(0)
         if not transport.closed:
@@ -146,4 +158,4 @@ def test_any_bytes_get_well_formed_answers_and_errors_close(prefix: bytes, noise
     for index, (status, _body) in enumerate(answers):
         if status >= 400:
             assert index == len(answers) - 1
-            assert transport.closed
+            assert transport.done

@@ -146,3 +146,39 @@ async def test_http10_clients_get_an_unframed_stream_ended_by_close() -> None:
     assert b"Transfer-Encoding" not in head
     assert b"Connection: close" in head
     assert body == b"data: 1\n\n"
+
+
+@pytest.mark.parametrize("raw, status", [
+    (b"GET / HTTP/1.1\r\nHost: h\r\nX-Big: " + b"a" * (1 << 20) + b"\r\n\r\n", b"431"),
+    (b"POST / HTTP/1.1\r\nHost: h\r\nContent-Length: 10000000000\r\n\r\n" + b"x" * (1 << 20),
+     b"413"),
+], ids=["1MiB-header", "1MiB-of-a-10GB-body"])
+async def test_a_client_still_sending_gets_its_refusal_not_a_reset(raw: bytes,
+                                                                   status: bytes) -> None:
+    """The server reads and drops what a refused client goes on sending for a moment
+    (lingering close), so the client reads its 431/413 instead of a connection reset."""
+    async with _server(max_header_bytes=2048) as (port, _):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(raw)
+        await writer.drain()
+        data = await _read_all(reader)
+        writer.close()
+    assert data.startswith(b"HTTP/1.1 " + status)
+
+
+async def test_a_header_that_never_ends_is_refused_as_it_grows() -> None:
+    """A header line sent in pieces without end is refused once past the limit (plus one
+    read), not buffered until the header timeout."""
+    async with _server(max_header_bytes=4096) as (port, _):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET / HTTP/1.1\r\nHost: h\r\nX-Big: ")
+        started_s = time.monotonic()
+        with contextlib.suppress(ConnectionError):
+            for _ in range(64):
+                writer.write(b"a" * 1024)
+                await writer.drain()
+                await asyncio.sleep(0.005)
+        data = await _read_all(reader)
+        writer.close()
+    assert data.startswith(b"HTTP/1.1 431")
+    assert time.monotonic() - started_s < 5.0
