@@ -39,11 +39,9 @@ class PoolRegistry:
 
     def register(self, pools: Iterable[str], holder_id: str, now_s: float) -> None:
         """Record `pools` as controlled by `holder_id` (a daemon calls this at start)."""
-        entries = {PoolKeys(pool).pool: json.dumps({"holder_id": holder_id,
-                                                    "registered_at_s": now_s})
-                   for pool in pools}
-        if entries:
-            self.client.hset(REGISTRY_KEY, mapping=entries)
+        entry = json.dumps({"holder_id": holder_id, "registered_at_s": now_s})
+        for pool in pools:
+            self.client.hset(REGISTRY_KEY, PoolKeys(pool).pool, entry)
 
     def known(self) -> dict[str, PoolRegistration]:
         """Every registered or once-led pool by name (an unreadable entry still counts)."""
@@ -57,7 +55,7 @@ class PoolRegistry:
                 holder, at_s = str(data["holder_id"]), float(data["registered_at_s"])
             except (ValueError, TypeError, KeyError):
                 holder, at_s = "", 0.0
-            out[pool] = PoolRegistration(pool, holder, at_s)
+            out[str(pool)] = PoolRegistration(str(pool), holder, at_s)
         return out
 
     def exists(self, pool: str) -> bool:

@@ -45,7 +45,7 @@ from __future__ import annotations
 import inspect
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -83,8 +83,17 @@ def check_vllm_hook(scheduler_cls: type) -> None:
 check_vllm_hook(Scheduler)
 check_vllm_hook(AsyncScheduler)
 
+if TYPE_CHECKING:
+    from adapters.store import BudgetWatcher
 
-class BudgetEnforcement:
+    # To the type checker the mixin is a Scheduler (its attributes and the methods it
+    # extends); at run time it precedes the real scheduler class in the MRO.
+    _SchedulerBase = Scheduler
+else:
+    _SchedulerBase = object
+
+
+class BudgetEnforcement(_SchedulerBase):
     """Batch requests held to the pool's budget inside a vLLM V1 scheduler (module docstring).
 
     Mixed in ahead of vLLM's `Scheduler` or `AsyncScheduler`. vLLM builds it with the usual
@@ -104,7 +113,7 @@ class BudgetEnforcement:
         self.batch_priority = self.plugin_config.batch_priority
         self._clock = clock
         self._step_clock = step_clock
-        self._watcher = None
+        self._watcher: BudgetWatcher | None = None
         if budget_source is None:
             budget_source = self._start_watcher()
         self.budget_source = budget_source
@@ -123,9 +132,10 @@ class BudgetEnforcement:
         from adapters.store import BudgetWatcher
 
         cfg = self.plugin_config
-        self._watcher = BudgetWatcher(connect(cfg.redis_url), cfg.pool, poll_s=cfg.poll_s,
-                                      clock=self._clock).start()
-        return self._watcher
+        watcher = BudgetWatcher(connect(cfg.redis_url), cfg.pool, poll_s=cfg.poll_s,
+                                clock=self._clock).start()
+        self._watcher = watcher
+        return watcher
 
     def is_batch(self, request: Request) -> bool:
         """True for a batch request (priority at or past the configured batch priority)."""
