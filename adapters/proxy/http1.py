@@ -248,7 +248,9 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = no_delay(transport)
         if not self._server.admit(self):
-            self._refuse(503, "too many connections; retry shortly", retry_after_s=1)
+            # No lingering here: a refused connection is not counted, so it must not stay.
+            self._refuse(503, "too many connections; retry shortly", retry_after_s=1,
+                         linger=False)
             return
         self._server.connections.add(self)
 
@@ -317,8 +319,9 @@ class _Connection(asyncio.Protocol):
         transport.write_eof()
         asyncio.get_running_loop().call_later(LINGER_S, self.close)
 
-    def _refuse(self, status: int, message: str, retry_after_s: int | None = None) -> None:
-        """Answer a request the server will not hand on, then close."""
+    def _refuse(self, status: int, message: str, retry_after_s: int | None = None,
+                linger: bool = True) -> None:
+        """Answer a request the server will not hand on, then close (lingering)."""
         self._discarding = True
         if self._task is None or self._task.done():
             body = error_body(status, message, kind="invalid_request_error")
@@ -327,6 +330,7 @@ class _Connection(asyncio.Protocol):
                 headers["Retry-After"] = str(retry_after_s)
             self.write(response_head(status, headers, keep_alive=False,
                                      content_length=len(body)) + body)
+        if linger and (self._task is None or self._task.done()):
             self.linger()
         else:
             self.close()
