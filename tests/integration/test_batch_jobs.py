@@ -1,7 +1,8 @@
 """Batch jobs end to end: the unmodified openai SDK against `borrowd batch serve`, workers
 through the real proxy in front of `borrowd emulate`, state in a real redis-server.
 
-After every fault (a worker SIGKILLed mid-item, the budget cut to zero twice, a cancel)
+After every fault (a worker SIGKILLed mid-item, the proxy SIGKILLed mid-stream, the budget
+cut to zero twice, Redis restarted, a cancel, a deadline passed)
 each custom_id appears exactly once across the output and error files.
 """
 
@@ -34,8 +35,10 @@ KEY = "sk-etl"
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BatchStack]:
-    """Redis, one emulated replica (10x real time), the proxy and the batch API."""
+    """Redis (append-only file, fsync always), one emulated replica (10x real time), the
+    proxy and the batch API."""
     with batch_stack(tmp_path_factory.mktemp("batch"),
+                     redis_args=("--appendonly", "yes", "--appendfsync", "always"),
                      serve_overrides={"max_file_bytes": 64 * 1024}) as running:
         yield running
 
@@ -48,7 +51,7 @@ def client(stack: BatchStack) -> Iterator:
     for worker in stack.workers:
         worker.stop()
     stack.workers.clear()
-    stack.publish_open()
+    stack.restore_budget()
 
 
 def _submit(client, data: bytes, **metadata: str):
@@ -109,6 +112,20 @@ def test_sdk_round_trip_figures_and_idempotent_resubmit(stack: BatchStack, clien
     assert any(b.id == again.id for b in client.batches.list().data)
     metrics = wait_until(lambda: _metrics(stack, done.id), 5, "job figures in /metrics")
     assert "borrowd_batch_tenant_completed_items" in metrics
+
+    status = json.loads(_cli(stack, "status"))
+    assert status["tenants"]["etl"]["completed"] == 12
+    assert {b["id"] for b in status["batches"]} >= {done.id, again.id}
+    assert sorted(result_ids(_cli(stack, "results", done.id).splitlines())) == sorted(
+        f"item-{i}" for i in range(12))
+
+
+def _cli(stack: BatchStack, *args: str) -> str:
+    """Run `borrowd batch ARGS` against the stack's API; its stdout."""
+    proc = subprocess.run([borrowd_command(), "batch", *args, "--url",
+                           stack.api_url.removesuffix("/v1"), "--api-key", KEY],
+                          capture_output=True, text=True, timeout=30, check=True)
+    return proc.stdout
 
 
 def _metrics(stack: BatchStack, batch_id: str) -> str:
@@ -216,6 +233,22 @@ def test_job_that_cannot_finish_says_so_and_expires(stack: BatchStack, client) -
     assert [e["error"]["code"] for e in errors] == ["batch_expired"] * 5
 
 
+def test_redis_restart_mid_job_loses_and_duplicates_nothing(stack: BatchStack,
+                                                             client) -> None:
+    """State lives in Redis: SIGKILLed and started again on its append-only file mid-job,
+    it costs time, not items; every response is whole."""
+    stack.start_worker("w-aof", concurrency=6)
+    batch = _submit(client, chat_lines(6, 300, "aof"))
+    wait_until(lambda: _job_field(stack, batch.id, "generated_tokens") >= 64, 15,
+               "progress before the restart", interval_s=0.05)
+    stack.restart_redis()
+    done = wait_terminal(client, batch.id, 40)
+    assert done.status == "completed"
+    outputs, errors = _exactly_once(client, done, 6, "aof")
+    assert errors == []
+    _whole(outputs, 300)
+
+
 _GOOD = json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
                     "body": {"model": "m", "messages": [{"role": "user", "content": "x"}]}})
 
@@ -245,9 +278,9 @@ def test_cli_submit_of_a_bad_file_is_one_line_and_exit_2(stack: BatchStack,
     """`borrowd batch submit` of a malformed file: one line naming line and field, code 2."""
     bad = tmp_path / "bad.jsonl"
     bad.write_text(_GOOD + "\n" + _GOOD)
-    proc = subprocess.run([borrowd_command(), "batch", "submit", str(bad), "--url",
-                           stack.api_url.removesuffix("/v1"), "--api-key", KEY],
-                          capture_output=True, text=True, timeout=30)
+    with pytest.raises(subprocess.CalledProcessError) as info:
+        _cli(stack, "submit", str(bad))
+    proc = info.value
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0
     assert "line 2: custom_id" in proc.stderr

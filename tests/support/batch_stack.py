@@ -222,5 +222,10 @@ def wait_terminal(client: Any, batch_id: str, timeout_s: float) -> Any:
 
 
 def _terminal(client: Any, batch_id: str) -> Any:
-    batch = client.batches.retrieve(batch_id)
+    import openai  # the SDK is optional (vllm extra); only its users get here
+
+    try:
+        batch = client.batches.retrieve(batch_id)
+    except openai.InternalServerError:  # 503 while its Redis restarts: ask again
+        return None
     return batch if batch.status in TERMINAL else None
