@@ -221,6 +221,7 @@ class _Connection(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self.closed = False
         self._closing = False
+        self._eof_sent = False
         self.writing_paused = False
         self._pending: deque[tuple[HttpRequest, bool, bool]] = deque()
         self._task: asyncio.Task | None = None
@@ -295,8 +296,8 @@ class _Connection(asyncio.Protocol):
             self._refuse(400, f"malformed HTTP request: {exc}")
 
     def write(self, data: bytes) -> None:
-        """Write to the client unless it has gone."""
-        if not self.closed and self._transport is not None:
+        """Write to the client unless it has gone (or was half-closed by `linger`)."""
+        if not self.closed and self._transport is not None and not self._eof_sent:
             self._transport.write(data)
 
     def close(self) -> None:
@@ -317,6 +318,7 @@ class _Connection(asyncio.Protocol):
             self.close()
             return
         transport.write_eof()
+        self._eof_sent = True
         asyncio.get_running_loop().call_later(LINGER_S, self.close)
 
     def _refuse(self, status: int, message: str, retry_after_s: int | None = None,
@@ -337,6 +339,8 @@ class _Connection(asyncio.Protocol):
 
     def expire(self, now_s: float) -> None:
         """Close the connection if it sat past a limit: idle, or slow to send its request."""
+        if self._closing:
+            return  # already answered and closing (or lingering)
         limits = self._limits
         if self.reading == "head" and now_s - self.since_s > limits.header_timeout_s:
             self._refuse(408, f"request headers not received within "
@@ -572,7 +576,11 @@ class HttpServer:
             await asyncio.sleep(interval_s)
             now_s = time.monotonic()
             for conn in list(self.connections):
-                conn.expire(now_s)
+                try:
+                    conn.expire(now_s)
+                except Exception:  # one connection must never stop the sweeper
+                    log.exception("expiring a connection failed")
+                    conn.close()
 
     def stop_listening(self) -> None:
         """Accept no new connections (those open keep being served)."""

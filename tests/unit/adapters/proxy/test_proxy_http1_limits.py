@@ -182,3 +182,21 @@ async def test_a_header_that_never_ends_is_refused_as_it_grows() -> None:
         writer.close()
     assert data.startswith(b"HTTP/1.1 431")
     assert time.monotonic() - started_s < 5.0
+
+
+async def test_a_refused_connection_lingering_past_the_header_timeout_is_left_alone() -> None:
+    """A client refused (431) late in its header time is not answered again when the
+    header timeout passes while its connection lingers; the server goes on expiring others."""
+    async with _server(max_header_bytes=2048, header_timeout_s=0.4) as (port, _):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET / HTTP/1.1\r\nHost: h\r\nX-Big: ")
+        await asyncio.sleep(0.3)
+        with contextlib.suppress(ConnectionError):
+            writer.write(b"a" * 8192)
+            await writer.drain()
+        refused = await asyncio.wait_for(reader.read(65536), 2.0)
+        await asyncio.sleep(0.4)  # the header timeout passes while the connection lingers
+        slow, took_s = await _send(port, b"GET / HTTP/1.1\r\nHost: h\r\n")
+        writer.close()
+    assert refused.startswith(b"HTTP/1.1 431")
+    assert slow.startswith(b"HTTP/1.1 408") and took_s < 2.0
