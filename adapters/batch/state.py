@@ -244,6 +244,19 @@ class BatchStore:
             await self.client.xclaim(stream, GROUP, consumer, 0, mine, justid=True)
         return [e for e in entry_ids if e not in held]
 
+    async def hand_over(self, job_id: str, consumer: str, entry_ids: list[str],
+                        idle_ms: int) -> None:
+        """Mark `consumer`'s entries as silent for `idle_ms`, so another worker reclaims
+        them at once (a worker that stops hands its items over)."""
+        stream = job_key(job_id, "items")
+        pending = await self.client.xpending_range(stream, GROUP, "-", "+", 10_000,
+                                                   consumername=consumer)
+        held = {p["message_id"] for p in pending}
+        mine = [e for e in entry_ids if e in held]
+        if mine:
+            await self.client.xclaim(stream, GROUP, consumer, 0, mine, idle=idle_ms,
+                                     justid=True)
+
     async def ack(self, job_id: str, entry_id: str) -> None:
         """Acknowledge an entry without a result (cancelled items)."""
         await self.client.xack(job_key(job_id, "items"), GROUP, entry_id)

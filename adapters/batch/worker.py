@@ -116,7 +116,7 @@ class Worker:
         self._pick_lock = asyncio.Lock()
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Work until `stop` is set; items in flight are left to be reclaimed."""
+        """Work until `stop` is set; items in flight are handed over to other workers."""
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=5.0,
                                         sock_read=self.cfg.request_timeout_s)
         connector = aiohttp.TCPConnector(limit=0)
@@ -126,9 +126,26 @@ class Worker:
             tasks = [asyncio.create_task(self._slot(stop)) for _ in range(self.cfg.concurrency)]
             tasks.append(asyncio.create_task(self._housekeeping(stop)))
             await stop.wait()
+            held = list(self._held.values())
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            await self._hand_over(held)
+
+    async def _hand_over(self, items: list[_Item]) -> None:
+        """Leave unfinished items to other workers now, not after `claim_idle_s`."""
+        by_job: dict[str, list[str]] = {}
+        for item in items:
+            by_job.setdefault(item.job.job_id, []).append(item.entry_id)
+        idle_ms = int(self.cfg.claim_idle_s * 1000)
+        for job_id, entries in by_job.items():
+            try:
+                await self.store.hand_over(job_id, self.consumer, entries, idle_ms)
+            except redis.RedisError as exc:  # they are reclaimed after claim_idle_s instead
+                log.warning("could not hand over %d items of %s: %r", len(entries), job_id,
+                            exc)
+        if items:
+            log.info("handed over %d unfinished items", len(items))
 
     # -- the view of jobs and the heartbeat ---------------------------------------------
 

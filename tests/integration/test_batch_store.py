@@ -61,3 +61,15 @@ async def test_silent_items_are_reclaimed_and_heartbeats_keep_them(store: BatchS
     assert await store.reclaim("j2", "heir", 200) == (first, "a")
     assert await store.reclaim("j2", "heir", 200) is None
     assert await store.heartbeat("j2", "dead", [first]) == [first]
+
+
+async def test_handed_over_items_are_reclaimable_at_once(store: BatchStore) -> None:
+    """A stopping worker's entries look silent for claim_idle at once; others' are kept."""
+    await store.put_job("j3", {"id": "j3", "status": "in_progress", "tenant": "t"}, 1.0)
+    await store.enqueue("j3", [("a", 1, {}), ("b", 2, {})])
+    mine, _ = await store.read_new("j3", "leaving")
+    theirs, _ = await store.read_new("j3", "staying")
+    assert await store.reclaim("j3", "heir", 30_000) is None
+    await store.hand_over("j3", "leaving", [mine, theirs], 30_000)
+    assert await store.reclaim("j3", "heir", 30_000) == (mine, "a")
+    assert await store.reclaim("j3", "heir", 30_000) is None
