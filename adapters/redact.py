@@ -3,16 +3,14 @@
 One helper for every output path: `redact` hides the password of any `user:password@`
 userinfo and the value of any secret-named query or `key=value` option (`password`,
 `sentinel_password`, `token`, `secret`, `api_key`...), in well-formed and malformed text
-alike. The CLI's error line, structlog events (`redact_event`, a processor), stdlib logging
-records (`redact_log_records`, the proxy's and emulator's logs) and every URL borrowd logs
-go through it.
+alike. The CLI's error line and every log line go through it (`redact_event`, a structlog
+processor that `controller.cli.logs` runs on structlog events and stdlib records alike).
 """
 
 from __future__ import annotations
 
-import logging
 import re
-from collections.abc import Callable, MutableMapping
+from collections.abc import MutableMapping
 from typing import Any
 
 MASK = "***"
@@ -59,20 +57,3 @@ def redact_event(
         secret_named = isinstance(key, str) and _SECRET_KEY.match(key) and value
         event_dict[key] = MASK if secret_named else redact_value(value)
     return event_dict
-
-
-def redact_log_records() -> None:
-    """Make every stdlib `logging` record carry its message already redacted (idempotent)."""
-    factory = logging.getLogRecordFactory()
-    if getattr(factory, "borrowd_redacts", False):
-        return
-
-    def make_record(*args: Any, **kwargs: Any) -> logging.LogRecord:
-        record = factory(*args, **kwargs)
-        record.msg = redact(record.getMessage())
-        record.args = None
-        return record
-
-    redacting: Callable[..., logging.LogRecord] = make_record
-    redacting.borrowd_redacts = True  # type: ignore[attr-defined]
-    logging.setLogRecordFactory(redacting)

@@ -1,8 +1,8 @@
 """The `borrowd` command: one subcommand module per job, each with `register(subparsers)`.
 
 A `BorrowdError` from any subcommand, and an `OSError` (a busy port, an unreadable file),
-becomes one line naming the problem, with secrets redacted, and exit code 2. Every log event
-of every subcommand is redacted too (`adapters.redact`).
+becomes one line naming the problem, with secrets redacted, and exit code 2. Logging (secrets
+redacted too) is set up once for every subcommand (`controller.cli.logs`).
 """
 
 from __future__ import annotations
@@ -13,9 +13,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-import structlog
-
-from adapters.redact import redact, redact_event, redact_log_records
+from adapters.redact import redact
 from controller.cli.logs import configure_logging
 from models.errors import BorrowdError
 
@@ -57,18 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def redact_logs() -> None:
-    """Redact stdlib log records, and put `redact_event` into structlog's processors."""
-    redact_log_records()
-    processors = list(structlog.get_config()["processors"])
-    if redact_event not in processors:
-        structlog.configure(processors=[*processors[:-1], redact_event, processors[-1]])
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `borrowd` console script."""
     configure_logging()
-    redact_logs()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import io
 import json
-import logging
 
 import pytest
 import structlog
 
-from adapters.redact import redact, redact_event, redact_log_records, redact_url
+from adapters.redact import redact, redact_event, redact_url
 
 SECRET = "hunter2"
 
@@ -56,20 +55,3 @@ def test_structlog_events_are_redacted() -> None:
     assert SECRET not in line
     assert json.loads(line)["upstream_api_key"] == "***"
 
-
-def test_stdlib_log_records_are_redacted() -> None:
-    """A stdlib logging record (the proxy's and emulator's logs) carries the redacted message."""
-    factory = logging.getLogRecordFactory()
-    stream = io.StringIO()
-    handler = logging.StreamHandler(stream)
-    logger = logging.getLogger("borrowd.test.redact")
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        redact_log_records()
-        redact_log_records()  # idempotent
-        logger.info("budget store %s", "redis://:hunter2@h:1/0")
-    finally:
-        logging.setLogRecordFactory(factory)
-        logger.removeHandler(handler)
-    assert stream.getvalue() == "budget store redis://:***@h:1/0\n"
