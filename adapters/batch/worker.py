@@ -304,6 +304,8 @@ class Worker:
                 assert result.segment is not None
                 if result.segment.completion_tokens or result.segment.text:
                     progress.segments.append(result.segment)
+                else:  # revoked before its first token: do not spin on a flapping budget
+                    await asyncio.sleep(self.cfg.poll_s)
                 await self.store.save_progress(job.job_id, item.custom_id, progress.to_json())
             elif result.kind == "http_error":
                 await self._finish_error(item, line, progress, result)
