@@ -273,6 +273,16 @@ def test_bad_input_is_refused_at_upload(stack: BatchStack, client, data: str,
     assert message in info.value.message
 
 
+def test_lines_for_another_endpoint_fail_the_batch_at_create(client) -> None:
+    """A batch whose lines use another endpoint fails with the line and field in errors."""
+    uploaded = client.files.create(file=("in.jsonl", _GOOD.encode()), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions",
+                                  completion_window="24h")
+    assert batch.status == "failed" and batch.failed_at
+    error = batch.errors.data[0]
+    assert (error.line, error.param) == (1, "url")
+
+
 def test_cli_submit_of_a_bad_file_is_one_line_and_exit_2(stack: BatchStack,
                                                          tmp_path: Path) -> None:
     """`borrowd batch submit` of a malformed file: one line naming line and field, code 2."""
