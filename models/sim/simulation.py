@@ -399,6 +399,12 @@ class Simulation:
             return
         self._revoke(revoked, now_s)
         self._pump_batch(now_s)
+        if self.scenario.enforcement == ENGINE:
+            # A replica whose batch work was held at a zero step allowance went idle; the
+            # new allowance must start it again (an interactive arrival may never come to
+            # it: the router steers around its outstanding batch tokens).
+            for r in range(len(self.fleet.engines)):
+                self._kick(r, now_s)
 
     def _share_engine_budget(self, now_s: float) -> None:
         """Give each replica's per-step limit its share of the pool's batch rate (the
