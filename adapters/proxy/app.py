@@ -50,8 +50,9 @@ from adapters.proxy.openai import (
     parse_completion_request,
     rewrite_body,
 )
+from adapters.proxy.relay import Exchange, Relay
 from adapters.proxy.revocation import BatchRegistry, BatchStream, renew_leases, watch_revocations
-from adapters.proxy.sse import StreamTally, error_event, event_payload, strip_usage, take_complete
+from adapters.proxy.sse import StreamTally, error_event
 from adapters.proxy.tokens import PromptCounter, load_tokenizer, trued_up_output_tokens, utf8_bytes
 from adapters.proxy.upstream_http import UpstreamClient, UpstreamError, UpstreamResponse
 from adapters.proxy.upstreams import Upstream, UpstreamPool
@@ -74,23 +75,6 @@ _GENERATE = {"/v1/chat/completions": Endpoint.CHAT, "/v1/completions": Endpoint.
 _GET = ("/v1/models", "/metrics", "/health")
 
 
-@dataclass(slots=True)
-class Exchange:
-    """One proxied generation request as it progresses (mutable, per request)."""
-
-    request_id: str
-    request_class: str
-    arrived_s: float
-    request: CompletionRequest
-    requested_max_tokens: int | None
-    outcome: str = "error"
-    output_tokens: int = 0
-    prompt_tokens: int = 0
-    tally: StreamTally | None = None
-    resumable: bool = False
-    charged_prompt_tokens: int = 0
-
-
 class UpstreamFailure(Exception):
     """No upstream answered; carries the HTTP status and outcome to report."""
 
@@ -98,80 +82,6 @@ class UpstreamFailure(Exception):
         super().__init__(message)
         self.status = status
         self.outcome = outcome
-
-
-class _Relay:
-    """Forwards one upstream SSE stream to its client, chunk by chunk, measuring as it goes.
-
-    `on_body` runs in the upstream connection's data callback: it takes the complete
-    events, tallies each payload (token? usage-only?), observes TTFT on the first token and
-    ITL between tokens, and writes the events on unchanged in one write, less what the
-    client did not ask for: usage-only chunks (`strip_usage`) and the usage inside each
-    chunk (`strip_chunk_usage`, a batch stream's forced continuous usage).
-    """
-
-    __slots__ = ("_buffer", "_clock", "_ex", "_itl", "_last_token_s", "_metrics", "_out",
-                 "_strip_chunk_usage", "_strip_usage", "_tally", "_ttft", "done")
-
-    def __init__(self, ex: Exchange, tally: StreamTally, out: Responder | None,
-                 metrics: ProxyMetrics, clock: Callable[[], float], strip_usage: bool,
-                 strip_chunk_usage: bool = False) -> None:
-        self._ex = ex
-        self._tally = tally
-        self._out = out
-        self._metrics = metrics
-        self._ttft = metrics.ttft[ex.request_class]
-        self._itl = metrics.itl[ex.request_class]
-        self._clock = clock
-        self._strip_usage = strip_usage
-        self._strip_chunk_usage = strip_chunk_usage
-        self._buffer = bytearray()
-        self._last_token_s = -1.0
-        self.done: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-
-    def on_body(self, data: bytes) -> None:
-        """Take, tally and forward the complete events in `data`."""
-        complete = take_complete(self._buffer, data)
-        if not complete:
-            return
-        kept: list[bytes] | None = None
-        events = complete.split(b"\n\n")
-        for index, event in enumerate(events):
-            payload = event_payload(event) if event else None
-            if payload is None:
-                continue
-            has_token, usage_only = self._tally.observe(payload)
-            if has_token:
-                now_s = self._clock()
-                if self._last_token_s < 0:
-                    self._ttft.observe(now_s - self._ex.arrived_s)
-                    self._metrics.tracker.settled(self._ex.request_class, self._ex.request_id)
-                else:
-                    self._itl.observe(now_s - self._last_token_s)
-                self._last_token_s = now_s
-            if usage_only and self._strip_usage:
-                if kept is None:
-                    kept = [e for e in events[:index] if e]
-                continue
-            if self._strip_chunk_usage and not usage_only:
-                stripped = b"data: " + strip_usage(payload)
-                if stripped != event:
-                    if kept is None:
-                        kept = [e for e in events[:index] if e]
-                    kept.append(stripped)
-                    continue
-            if kept is not None:
-                kept.append(event)
-        if self._out is not None:
-            if kept is None:
-                self._out.write(complete)
-            elif kept:
-                self._out.write(b"\n\n".join(kept) + b"\n\n")
-
-    def on_end(self, failure: str) -> None:
-        """The upstream response ended ("" when complete, else why not)."""
-        if not self.done.done():
-            self.done.set_result(failure)
 
 
 class UpstreamStatus(Exception):
@@ -551,7 +461,7 @@ class ProxyServer:
                                "X-Request-Id": ex.request_id, CLASS_HEADER: ex.request_class})
         batch = batch_stream is not None
         tally = ex.tally = StreamTally(req.endpoint, keep_payloads=batch)
-        relay = _Relay(ex, tally, out, self.metrics, self.clock,
+        relay = Relay(ex, tally, out, self.metrics, self.clock,
                        strip_usage=not req.include_usage,
                        strip_chunk_usage=batch and not _asked_continuous_usage(req))
         out.on_flow(resp.pauser(), resp.resumer())
@@ -572,7 +482,7 @@ class ProxyServer:
                        batch_stream: BatchStream | None, max_tokens: int | None) -> None:
         req = ex.request
         tally = ex.tally = StreamTally(req.endpoint, keep_payloads=True)
-        relay = _Relay(ex, tally, None, self.metrics, self.clock, strip_usage=False)
+        relay = Relay(ex, tally, None, self.metrics, self.clock, strip_usage=False)
         resp.stream(relay.on_body, relay.on_end)
         failure = await relay.done
         ending = self._settle(ex, tally, batch_stream, max_tokens, failure)
