@@ -292,6 +292,12 @@ class ProxyServer:
                    f"batch request not admitted in pool {cfg.pool!r}: {decision.reason}",
                    kind, retry_after_s=decision.retry_after_s)
             return
+        if self.stopping:  # admitted while the proxy began to stop: start nothing new
+            self._spawn(self._release(ex.request_id, 0))
+            self.metrics.finished(BATCH, "rejected", 0, 0)
+            _error(out, 503, "the proxy is shutting down", "service_unavailable",
+                   retry_after_s=cfg.admission.unavailable_retry_after_s, close=True)
+            return
         ex.requested_max_tokens = requested
         # The gate's lease began during the admit call, at most one gate timeout ago.
         stream = self.batch.add(ex.request_id, self.clock() - cfg.admission.gate_timeout_s)
