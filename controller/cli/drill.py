@@ -1,5 +1,5 @@
-"""`borrowd drill stop|burst`: prove that stopping, or an interactive burst, takes batch out of
-the way and the interactive SLOs come back, and how fast.
+"""`borrowd drill stop|burst|failure`: prove that stopping, an interactive burst or a failed replica
+takes batch out of the way and the interactive SLOs come back, and how fast.
 
 stop: sets the pool's stop switch, then measures from that moment: until the gate admits no
 batch request (probed), until the batch work in flight has drained or been revoked (the
@@ -13,8 +13,14 @@ the controller's budget admits no batch, until the batch in flight is gone (gate
 highest recorded interactive p95s, and from the burst's end until the recorded p95s are
 within SLO again.
 
+failure: while batch is admitted, runs --fail-command (what takes a replica down: `systemctl
+stop ...`, or `kill -STOP PID` of an emulated engine), holds it --down-s, runs
+--restore-command, and measures from the failure: until batch is no longer admitted (if the
+controller cuts at all), the drain, the highest recorded p95s, the interactive errors; and
+from the restore: until the recorded p95s are within SLO and batch is admitted again.
+
 Each drill prints its times, writes them as JSON (`--out`) and keeps them at
-`borrowd:{POOL}:drill:{stop|burst}`.
+`borrowd:{POOL}:drill:{stop|burst|failure}`.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ import asyncio
 import json
 import math
 import os
+import shlex
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -99,7 +107,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add `drill` with its `stop` and `burst` drills."""
+    """Add `drill` with its `stop`, `burst` and `failure` drills."""
     drill = subparsers.add_parser("drill", help="rollout drills on a live pool")
     kinds = drill.add_subparsers(dest="drill", metavar="DRILL", required=True)
     stop = kinds.add_parser(
@@ -121,6 +129,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="clip of the trace's output lengths (default 64)")
     burst.add_argument("--trace", default="azure2023_conv.csv", help="interactive trace")
     burst.set_defaults(func=cmd_drill_burst)
+    failure = kinds.add_parser(
+        "failure", help="take a replica down while batch runs (your command); time the "
+                        "reaction and the recovery")
+    _common(failure)
+    failure.add_argument("--fail-command", required=True,
+                         help="command that takes a replica down (run without a shell)")
+    failure.add_argument("--restore-command", required=True,
+                         help="command that brings it back (run without a shell)")
+    failure.add_argument("--down-s", type=float, default=30.0,
+                         help="how long the replica stays down, s (default 30)")
+    failure.set_defaults(func=cmd_drill_failure)
 
 
 def _until(predicate: Callable[[], bool], start: float, timeout_s: float,
@@ -304,6 +323,146 @@ def run_burst_drill(client: redis.Redis, prom: PromClient, pool: str, config: Lo
         burst_ttft_p95_s=summary["interactive_ttft_p95_s"])
 
 
+@dataclass(frozen=True)
+class FailureDrill:
+    """Seconds from the failure to the cut and drain (None: no cut, or not drained), from the
+    restore to the SLOs' return and to batch admitted again; peaks and interactive errors."""
+
+    pool: str
+    started_at_s: float
+    down_s: float
+    fail_command: str
+    restore_command: str
+    no_admission_s: float | None
+    drained_gate_s: float | None
+    ttft_p95_peak_s: float
+    itl_p95_peak_s: float
+    oldest_wait_peak_s: float
+    interactive_errors: float
+    slo_restored_after_restore_s: float | None
+    batch_admitted_after_restore_s: float | None
+    slo_ttft_p95_s: float
+    slo_itl_p95_s: float
+
+    @property
+    def passed(self) -> bool:
+        """True when the SLOs came back after the restore."""
+        return self.slo_restored_after_restore_s is not None
+
+
+def _run_command(command: str, what: str) -> None:
+    """Run an operator's command without a shell; BorrowdError naming it when it fails."""
+    try:
+        done = subprocess.run(shlex.split(command), capture_output=True, text=True,
+                              timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise BorrowdError(f"{what} {command!r} failed: {exc}") from None
+    if done.returncode != 0:
+        raise BorrowdError(f"{what} {command!r} exited {done.returncode}: "
+                           f"{done.stderr.strip()[-300:]}")
+
+
+def run_failure_drill(client: redis.Redis, prom: PromClient, pool: str, *, fail_command: str,
+                      restore_command: str, down_s: float, window: str, slo_ttft_s: float,
+                      slo_itl_s: float, timeout_s: float,
+                      report: Callable[[str], None]) -> FailureDrill:
+    """Fail, watch, restore (always), watch the recovery; the times."""
+    store = BudgetStore(client, pool)
+    gate = Gate(client, pool)
+    started_at_s = time.time()
+    start = time.monotonic()
+    cut_s = drained_s = None
+    peaks = [0.0, 0.0, 0.0]
+    oldest_wait = ("pool_class:borrowd_proxy_oldest_wait_seconds:max"
+                   f'{{pool="{pool}",class="interactive"}}')
+
+    def watch(until: float) -> None:
+        nonlocal cut_s, drained_s
+        next_prom = time.monotonic()
+        while time.monotonic() < until:
+            now = time.monotonic()
+            if cut_s is None:
+                budget = store.read(time.time())
+                if budget is None or not budget.admits_batch:
+                    cut_s = now - start
+                    report(f"no batch admitted after {cut_s:.3f} s")
+            if cut_s is not None and drained_s is None and gate.inflight().seqs == 0:
+                drained_s = now - start
+                report(f"in-flight batch drained or revoked (gate) after {drained_s:.3f} s")
+            if now >= next_prom:
+                next_prom = now + POLL_PROMETHEUS_S
+                p95s = recorded_p95s(prom, pool, window)
+                # A stalled stream yields no token gap until it moves again; the oldest
+                # interactive wait for a first token shows the stall meanwhile.
+                peaks[:] = [max(peaks[0], _finite(p95s.ttft_p95_s)),
+                            max(peaks[1], _finite(p95s.itl_p95_s)),
+                            max(peaks[2], _finite(instant(prom, oldest_wait)))]
+            time.sleep(POLL_GATE_S)
+
+    try:
+        _run_command(fail_command, "--fail-command")
+        report(f"replica down ({fail_command}); holding {down_s:g} s")
+        watch(start + down_s)
+    finally:
+        _run_command(restore_command, "--restore-command")
+    restored_at_s = time.time()
+    restore = time.monotonic()
+    report(f"replica restored ({restore_command}) after {restore - start:.1f} s")
+
+    def within_slo() -> bool:
+        p95s = recorded_p95s(prom, pool, window)
+        return (p95s.evaluated_at_s >= restored_at_s and not p95s.ttft_p95_s > slo_ttft_s
+                and not p95s.itl_p95_s > slo_itl_s)
+
+    restored_s = _until(within_slo, restore, timeout_s, POLL_PROMETHEUS_S)
+    report(f"interactive p95s within SLO {_secs(restored_s)} after the restore")
+    reopened_s = _until(lambda: bool((b := store.read(time.time())) and b.admits_batch),
+                        restore, timeout_s, POLL_PROMETHEUS_S)
+    report(f"batch admitted again {_secs(reopened_s)} after the restore")
+    errors = instant(prom, "sum(increase(borrowd_proxy_requests_total{"
+                           f'pool="{pool}",class="interactive",'
+                           'outcome=~"error|truncated|timeout"}'
+                           f"[{max(1, round(time.time() - started_at_s))}s]))")
+    return FailureDrill(
+        pool=pool, started_at_s=started_at_s, down_s=down_s, fail_command=fail_command,
+        restore_command=restore_command, no_admission_s=cut_s, drained_gate_s=drained_s,
+        ttft_p95_peak_s=peaks[0], itl_p95_peak_s=peaks[1], oldest_wait_peak_s=peaks[2],
+        interactive_errors=0.0 if math.isnan(errors) else errors,
+        slo_restored_after_restore_s=restored_s, batch_admitted_after_restore_s=reopened_s,
+        slo_ttft_p95_s=slo_ttft_s, slo_itl_p95_s=slo_itl_s)
+
+
+def cmd_drill_failure(args: argparse.Namespace) -> int:
+    """Run the failure drill; exit 0 when the SLOs came back after the restore, 1 otherwise."""
+    _check_common(args)
+    if not (math.isfinite(args.down_s) and args.down_s > 0):
+        raise InputError(f"--down-s must be > 0, got {args.down_s}")
+    for flag, command in (("--fail-command", args.fail_command),
+                          ("--restore-command", args.restore_command)):
+        if not shlex.split(command):
+            raise InputError(f"{flag} is empty")
+    url = resolve_redis_url(args.redis)
+    prom = connect_prometheus(args.prometheus or os.environ.get(PROMETHEUS_ENV)
+                              or DEFAULT_PROMETHEUS, 10.0)
+    try:
+        client = connect(url)
+        require_known_pool(client, args.pool, args.force)
+        budget = BudgetStore(client, args.pool).read(time.time())
+        if budget is None or not budget.admits_batch:
+            raise BorrowdError(f"pool {args.pool!r} admits no batch now; a failure drill "
+                               "measures borrowing under a failure, so run it while batch is "
+                               "admitted")
+        drill = run_failure_drill(
+            client, prom, args.pool, fail_command=args.fail_command,
+            restore_command=args.restore_command, down_s=args.down_s, window=args.window,
+            slo_ttft_s=args.slo_ttft_s, slo_itl_s=args.slo_itl_s, timeout_s=args.timeout_s,
+            report=lambda line: print(f"drill failure: {line}", flush=True))
+        _finish(client, args.pool, "failure", _drill_json(drill), args.out)
+    except redis.RedisError as exc:
+        raise BorrowdError(f"Redis at {redact_url(url)}: {exc}") from None
+    return 0 if drill.passed else 1
+
+
 def _finite(value: float) -> float:
     return value if math.isfinite(value) else 0.0
 
@@ -354,7 +513,7 @@ def cmd_drill_burst(args: argparse.Namespace) -> int:
     return 0 if drill.passed else 1
 
 
-def _drill_json(drill: StopDrill | BurstDrill) -> dict:
+def _drill_json(drill: StopDrill | BurstDrill | FailureDrill) -> dict:
     """A drill as strict JSON (NaN as null), with `passed`."""
     data = json_safe(asdict(drill))
     assert isinstance(data, dict)
