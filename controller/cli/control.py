@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from adapters.redact import redact_url
 from controller.policy import ControllerConfig, smooth_step
 from models.errors import InputError
 from models.plant.model import FitCriteria, PlantModel, identify_plant
@@ -144,7 +145,8 @@ def identify_from_prometheus(args: argparse.Namespace, criteria: FitCriteria) ->
         outputs,
         args.step,
         interactive_tokens_per_s=float(np.nanmean(rates)),
-        source=f"prometheus {args.prometheus} pool {args.pool} {start_s:.0f}-{end_s:.0f}",
+        source=f"prometheus {redact_url(args.prometheus)} pool {args.pool} "
+               f"{start_s:.0f}-{end_s:.0f}",
         criteria=criteria,
     )
 

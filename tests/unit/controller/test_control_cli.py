@@ -99,3 +99,22 @@ def test_identify_refuses_a_flat_experiment(tmp_path, capsys):
     assert rc == 2
     assert "unusable plant fit" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_identify_from_prometheus_keeps_no_password(tmp_path, capsys, monkeypatch):
+    """A Prometheus URL with basic auth is neither printed nor written into plant.json."""
+    import controller.prom_source as prom_source
+
+    u = prbs(0.0, 40_000.0, 600.0, 1.0, 15.0, seed=3)
+    y = simulate_fopdt(u, a=math.exp(-1 / 5.0), gain=1e-5, dead_steps=2, u0=0.0, y0=0.3,
+                       y_init=0.3)
+    series = {"budget_tokens_per_s": u, "ttft_p95_s": y, "itl_p95_s": 0.05 * (0.5 * y + 0.1),
+              "interactive_tokens_per_s": u * 0 + 1000.0}
+    monkeypatch.setattr(prom_source, "connect_prometheus", lambda url, timeout_s: object())
+    monkeypatch.setattr(prom_source, "identification_series", lambda *a, **k: series)
+    out = tmp_path / "plant.json"
+    main(["identify", "--prometheus", "http://ops:hunter2@prom:9090", "--pool", "chat",
+          "--start", "0", "--end", "600", "--out", str(out), "--min-r2", "0"])
+    captured = capsys.readouterr()
+    assert "hunter2" not in captured.out + captured.err + out.read_text()
+    assert "ops:***@prom:9090" in out.read_text()
