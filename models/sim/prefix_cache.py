@@ -27,7 +27,8 @@ taken them since. The free queue's order, and so every eviction, is the same eit
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections import deque
+
+import numpy as np
 
 from models.sim.request import Request
 
@@ -44,20 +45,25 @@ def is_private(req: Request) -> bool:
 class BlockPool:
     """Reference-counted KV blocks with an LRU free queue and a hash -> blocks map.
 
-    The free queue is a deque of entries `stamp * num_blocks + block`; a block taken out of
-    the middle (a prefix hit) only loses its `free` flag, and a block queued again gets a
-    new stamp, so stale entries are skipped when they reach the front.
+    The free queue holds entries `stamp * num_blocks + block` in two lists: `_front`, a
+    stack of blocks queued at the front (its end is the queue's head), then `_tail[_head:]`
+    in order. A block taken out of the middle (a prefix hit) only loses its `free` flag, and
+    a block queued again gets a new stamp, so stale entries are skipped when they come up.
+    Per-block state is in numpy arrays so that long prompts' blocks are handed out and freed
+    in bulk (slices, not one block at a time).
     """
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.block_size = block_size
         self._n = num_blocks
-        self._queue: deque[int] = deque(range(num_blocks))
-        self._stamp = [0] * num_blocks
-        self._is_free = bytearray(b"\x01" * num_blocks)
+        self._front: list[int] = []
+        self._tail: list[int] = list(range(num_blocks))
+        self._head = 0
+        self._stamp = np.zeros(num_blocks, dtype=np.int64)
+        self._is_free = np.ones(num_blocks, dtype=np.bool_)
         self._num_free = num_blocks
-        self._ref = [0] * num_blocks
-        self._hash = [NO_HASH] * num_blocks
+        self._ref = np.zeros(num_blocks, dtype=np.int64)
+        self._hash = np.zeros(num_blocks, dtype=np.int64)
         self._stale = 0  # queue entries of blocks taken out of the middle
         self._cached: dict[int, dict[int, None]] = {}
         self.hit_tokens = 0  # prompt tokens served from the cache at admissions
@@ -70,7 +76,7 @@ class BlockPool:
     def free_order(self) -> list[int]:
         """The free blocks, next to be handed out first."""
         n = self._n
-        return [e % n for e in self._queue
+        return [e % n for e in [*self._front[::-1], *self._tail[self._head:]]
                 if self._is_free[e % n] and self._stamp[e % n] == e // n]
 
     def is_free(self, block: int) -> bool:
@@ -124,35 +130,53 @@ class BlockPool:
         """Hand `count` blocks from the front of the free queue to `req`, evicting them."""
         if count <= 0:
             return
-        queue = self._queue
         n = self._n
+        entries = self._take(count)
         if self._stale:
             stamp = self._stamp
             is_free = self._is_free
             blocks: list[int] = []
-            while len(blocks) < count:
-                e = queue.popleft()
-                b = e % n
-                if is_free[b] and stamp[b] == e // n:
-                    blocks.append(b)
-                else:
-                    self._stale -= 1
+            while True:
+                for e in entries:
+                    b = e % n
+                    if is_free[b] and stamp[b] == e // n:
+                        blocks.append(b)
+                    else:
+                        self._stale -= 1
+                if len(blocks) == count:
+                    break
+                entries = self._take(count - len(blocks))
         else:
-            popleft = queue.popleft
-            blocks = [popleft() % n for _ in range(count)]
-        is_free = self._is_free
-        ref = self._ref
+            blocks = [e % n for e in entries]
         hashes = self._hash
-        for b in blocks:
-            is_free[b] = 0
-            ref[b] = 1
-            if hashes[b]:
-                if hashes[b] == PRIVATE:
-                    hashes[b] = NO_HASH
-                else:
-                    self._evict(b)
+        idx = np.array(blocks, dtype=np.int64)
+        self._is_free[idx] = False
+        self._ref[idx] = 1
+        held = hashes[idx]
+        if held.any():
+            hashes[idx[held == PRIVATE]] = NO_HASH
+            for b in idx[(held != NO_HASH) & (held != PRIVATE)].tolist():
+                self._evict(b)
         req.block_ids.extend(blocks)
         self._num_free -= count
+
+    def _take(self, count: int) -> list[int]:
+        """The next `count` queue entries (stale ones included), out of the queue."""
+        front = self._front
+        taken: list[int] = []
+        if front:
+            k = min(count, len(front))
+            taken = front[:-k - 1:-1]
+            del front[-k:]
+            count -= k
+        if count:
+            head = self._head
+            taken += self._tail[head:head + count]
+            self._head = head + count
+            if self._head > 4096 and self._head * 2 > len(self._tail):
+                del self._tail[:self._head]
+                self._head = 0
+        return taken
 
     def cache(self, req: Request, num_tokens: int) -> None:
         """Cache `req`'s full blocks within its first `num_tokens` tokens."""
@@ -163,9 +187,7 @@ class BlockPool:
             return
         ids = req.block_ids
         if is_private(req):
-            hashes = self._hash
-            for b in ids[start:full]:
-                hashes[b] = PRIVATE
+            self._hash[ids[start:full]] = PRIVATE
             req.num_cached_blocks = full
             return
         for j in range(start, full):
@@ -184,34 +206,29 @@ class BlockPool:
     def release(self, req: Request, preempted: bool = False) -> None:
         """Free `req`'s blocks in reverse order (see the module docstring); a preempted
         request of its own content remembers its cached blocks to find them again."""
+        ids = req.block_ids
+        if not ids:
+            return
+        idx = np.array(ids[::-1], dtype=np.int64)
         ref = self._ref
-        front: list[int] = []
-        queue = self._queue
-        n = self._n
+        ref[idx] -= 1  # a request holds each block once
+        freed = idx[ref[idx] == 0]
+        self._is_free[freed] = True
         stamp = self._stamp
-        is_free = self._is_free
-        hashes = self._hash
-        freed = 0
-        for b in reversed(req.block_ids):
-            ref[b] -= 1
-            if ref[b] == 0:
-                freed += 1
-                is_free[b] = 1
-                stamp[b] += 1
-                if hashes[b] == NO_HASH:
-                    front.append(b)
-                else:
-                    queue.append(stamp[b] * n + b)
-        for b in reversed(front):
-            queue.appendleft(stamp[b] * n + b)
-        self._num_free += freed
+        stamp[freed] += 1
+        entries = stamp[freed] * self._n + freed
+        unhashed = self._hash[freed] == NO_HASH
+        self._tail.extend(entries[~unhashed].tolist())
+        self._front.extend(entries[unhashed][::-1].tolist())
+        self._num_free += len(freed)
         if preempted and is_private(req):
-            req.freed_blocks = [(b, stamp[b]) for b in req.block_ids[:req.num_cached_blocks]]
+            kept = ids[:req.num_cached_blocks]
+            req.freed_blocks = list(zip(kept, stamp[kept].tolist(), strict=True))
         req.block_ids = []
         req.num_cached_blocks = 0
 
     def _evict(self, b: int) -> None:
-        h = self._hash[b]
+        h = int(self._hash[b])
         blocks = self._cached[h]
         del blocks[b]
         if not blocks:
