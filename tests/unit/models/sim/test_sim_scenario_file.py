@@ -163,3 +163,15 @@ def test_someone_elses_fleet_runs_under_bench(tmp_path: Path,
     assert report["slo"] == {"ttft_p95_s": 2.0, "itl_p95_s": 0.08, "success_rate": 0.99}
     assert [r["policy"] for r in report["rows"]] == ["none", "priority", "static:5000"]
     assert (tmp_path / "bench.png").stat().st_size > 0
+
+
+def test_profile_file_beside_the_scenario(tmp_path: Path) -> None:
+    """`profile` may name a profile file relative to the scenario file."""
+    from models.sim.profiles import PROFILES_DIR, get_profile
+
+    (tmp_path / "gpu.toml").write_text((PROFILES_DIR / "a100-llama3-8b.toml").read_text())
+    path = tmp_path / "fleet.toml"
+    path.write_text('profile = "gpu.toml"\n')
+    sc = load_scenario_file(path)
+    assert Path(sc.profile) == tmp_path / "gpu.toml"
+    assert get_profile(sc.profile).name == "a100-llama3-8b"
