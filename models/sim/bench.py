@@ -184,7 +184,7 @@ def _field(row: dict[str, object], path: str) -> object:
         scale = float(factor)
     value: object = row
     for part in path.split("."):
-        value = value.get(part) if isinstance(value, dict) else None  # type: ignore[union-attr]
+        value = value.get(part) if isinstance(value, dict) else None
     if isinstance(value, int | float) and not isinstance(value, bool) and scale != 1.0:
         return value * scale
     return value

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import IO
 
 import numpy as np
-from scipy.optimize import nnls  # type: ignore[import-untyped]
+from scipy.optimize import nnls  # type: ignore[import-untyped, unused-ignore]
 
 from models.errors import InputError
 from models.sim.profiles import StepProfile
