@@ -14,7 +14,7 @@ from adapters.redis_conn import connect
 from adapters.store import BudgetStore, LeaderElection
 from controller.cli import main, ops
 from models.budget import Budget, Mode
-from models.errors import BorrowdError, InputError
+from models.errors import BorrowdError, ConfigError, InputError
 from tests.support.servers import free_port
 
 POOL = "p1"
@@ -87,6 +87,27 @@ def test_gate_refuses_bad_arguments(extra, message) -> None:
     """`gate` names a bad --listen, --lease-ms or pool before it starts serving."""
     with pytest.raises(InputError, match=message):
         _run(["gate", "--pool", POOL, *extra])
+
+
+def _gate_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="borrowd")
+    ops.register(parser.add_subparsers())
+    return parser.parse_args(["gate", *argv])
+
+
+def test_gate_settings_come_from_the_file_with_flags_on_top(tmp_path) -> None:
+    """`gate --config FILE`: the [gate] table through the one loader, flags winning."""
+    path = tmp_path / "gate.toml"
+    path.write_text('[gate]\npools = ["chat", "code"]\nlease_ms = 5000\n'
+                    '[[gate.callers]]\nname = "nginx"\nsecret = "0123456789abcdef"\n')
+    config = ops.gate_settings(_gate_args(["--config", str(path), "--lease-ms", "7000"]))
+    assert (config.pools, config.lease_ms) == (("chat", "code"), 7000)
+    assert [caller.name for caller in config.callers] == ["nginx"]
+    path.write_text('[gate]\npools = ["chat"]\ndecision_timeout_s = nan\n')
+    with pytest.raises(ConfigError, match=f"gate config {path}: gate.decision_timeout_s"):
+        ops.gate_settings(_gate_args(["--config", str(path)]))
+    with pytest.raises(InputError, match="--pool is required"):
+        ops.gate_settings(_gate_args([]))
 
 
 def test_borrowd_main_prints_one_line_and_exits_2(capsys) -> None:
