@@ -14,7 +14,9 @@ traffic without borrowing) is run under admission and engine enforcement:
 Per shape and enforcement it prints the law's batch tokens/s beside the best static cap's,
 their ratio, the share of windows met, the recomputed share of batch tokens, revocations
 and mode changes per simulated hour; tune and held-out shapes are reported apart (the
-split is fixed in `shapes.py`: tune on `tune` shapes only).
+split is fixed in `shapes.py`: tune on `tune` shapes only). Runs without a controller (none,
+priority, static caps) are cached under ~/.cache/borrowd/matrix-runs, keyed by the run and
+the simulator's source, so a rerun after a controller change runs only the law.
 
     python3 benchmarks/bench_matrix.py --quick                 # 900 s runs, small sweep
     python3 benchmarks/bench_matrix.py --duration 3600 --plot matrix.png --json matrix.json
@@ -23,6 +25,7 @@ split is fixed in `shapes.py`: tune on `tune` shapes only).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -136,6 +139,35 @@ def prepare_trace(shape: Shape, duration_s: float) -> str:
     return str(path)
 
 
+def simulator_digest() -> str:
+    """A digest of the simulator's source (models/), so cached runs follow code changes."""
+    h = hashlib.sha256()
+    root = Path(__file__).resolve().parents[1] / "models"
+    for path in sorted(root.rglob("*.py")):
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def run_cell_cached(cell: Cell) -> dict[str, object]:
+    """`run_cell`, with runs that involve no controller (none, priority, static caps) read
+    from and written to the cache: they depend on the simulator alone, so a rerun after a
+    controller change only runs the law."""
+    if cell.policy in SimControllers().names():
+        return run_cell(cell)
+    key = hashlib.sha256(repr((cell, simulator_digest())).encode()).hexdigest()[:24]
+    path = cache_dir().parent / "matrix-runs" / f"{key}.json"
+    try:
+        return json.loads(path.read_text())  # type: ignore[no-any-return]
+    except (OSError, ValueError):
+        pass
+    result = run_cell(cell)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(result))
+    tmp.replace(path)
+    return result
+
+
 def run_cell(cell: Cell) -> dict[str, object]:
     """Run one cell; the figures the matrix needs (and each window's p95s)."""
     res = run_scenario(
@@ -227,7 +259,7 @@ def run_matrix(shapes: Sequence[Shape], duration_s: float, grid: Grid, law: str,
             return Cell(shape.name, sc, policy, duration_s, seed, paths[shape.name])
 
         first = [cell(s, p, Slo(), ADMISSION) for s in shapes for p in ("none", "priority")]
-        done = list(pool.map(run_cell, first))
+        done = list(pool.map(run_cell_cached, first))
         slos = {s.name: shape_slo(s, done[2 * i]) for i, s in enumerate(shapes)}
         ceilings = {s.name: float(done[2 * i + 1]["computed_tokens_per_s"])  # type: ignore[arg-type]
                     for i, s in enumerate(shapes)}
@@ -240,7 +272,7 @@ def run_matrix(shapes: Sequence[Shape], duration_s: float, grid: Grid, law: str,
                         rate = round(f * ceilings[s.name], -2)
                         second.append(cell(s, static_name(rate, seqs * s.replicas),
                                            slos[s.name], enf))
-        results = list(pool.map(run_cell, second))
+        results = list(pool.map(run_cell_cached, second))
         by_key: dict[tuple[str, str], list[dict[str, object]]] = {}
         for c, r in zip(second, results, strict=True):
             by_key.setdefault((c.shape, c.scenario.enforcement), []).append(r)
@@ -255,7 +287,7 @@ def run_matrix(shapes: Sequence[Shape], duration_s: float, grid: Grid, law: str,
                             else min(grid.seqs_per_replica) * s.replicas)
                     for rate in refine_rates(statics, seqs, ceilings[s.name]):
                         more.append(cell(s, static_name(rate, seqs), slos[s.name], enf))
-            for c, r in zip(more, pool.map(run_cell, more), strict=True):
+            for c, r in zip(more, pool.map(run_cell_cached, more), strict=True):
                 by_key[(c.shape, c.scenario.enforcement)].append(r)
     rows = []
     for s in shapes:

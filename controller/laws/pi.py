@@ -100,6 +100,18 @@ class PiConfig:
         default=2.0,
         metadata={"unit": "1", "help": "gain multiplier when a loop asks to cut (convex plant)"},
     )
+    gain_reference_tokens_per_s: float = field(
+        default=70000.0,
+        metadata={
+            "unit": "tokens/s",
+            "help": "budget the gains are given at; below it they scale with the budget "
+            "(0: fixed gains)",
+        },
+    )
+    min_gain_scale: float = field(
+        default=0.1,
+        metadata={"unit": "1", "help": "least scale of the gains below the reference budget"},
+    )
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -114,6 +126,22 @@ class PiConfig:
                 raise ConfigError(f"pi.{name} must be >= 0, got {getattr(self, name)!r}")
         if self.decrease_boost < 1.0:
             raise ConfigError(f"pi.decrease_boost must be >= 1, got {self.decrease_boost!r}")
+        if self.gain_reference_tokens_per_s < 0 or not 0 < self.min_gain_scale <= 1:
+            raise ConfigError(
+                "pi needs gain_reference_tokens_per_s >= 0 and min_gain_scale in (0, 1], got "
+                f"{self.gain_reference_tokens_per_s!r}, {self.min_gain_scale!r}"
+            )
+
+    def operating_scale(self, u_tokens_per_s: float) -> float:
+        """Gain scale at budget u: u / reference, within [min_gain_scale, 1] (1: no reference).
+
+        The burn a batch token adds grows as the room batch has shrinks (a small fleet, a
+        tight SLO), so gains fixed in tokens/s that suit 70k tokens/s of room make a loop
+        around 15k oscillate; scaled with the budget, the loop gain stays about constant.
+        """
+        if self.gain_reference_tokens_per_s <= 0:
+            return 1.0
+        return min(1.0, max(self.min_gain_scale, u_tokens_per_s / self.gain_reference_tokens_per_s))
 
 
 def pi_gains(fit: FopdtFit, method: str, tc_s: float, tick_s: float) -> PiGains:
@@ -196,6 +224,9 @@ class PiLaw:
         modelled = settings.plant_outputs()
         plant = settings.plant
         loops = []
+        # Configured gains scale with the budget (`operating_scale`); identified ones are
+        # scheduled by the gain schedule's RLS instead.
+        self.scaled = tuple(plant is None or name not in modelled for name in OUTPUTS)
         for name in OUTPUTS:
             if plant is None or name not in modelled:
                 gains = PiGains(kp=cfg.kp_tokens_per_s, ki_per_s=cfg.ki_tokens_per_s2)
@@ -228,7 +259,10 @@ class PiLaw:
             0.0,
             self.u_max_tokens_per_s,
             du_ff=tick.du_ff_tokens_per_s,
-            gain_scales=tuple(1.0 / r for r in tick.gain_ratios),
+            gain_scales=tuple(
+                (self.config.operating_scale(tick.u_applied_tokens_per_s) if scaled else 1.0) / r
+                for r, scaled in zip(tick.gain_ratios, self.scaled, strict=True)
+            ),
             decrease_boost=self.config.decrease_boost,
         )
         self.pi_state = result.state

@@ -9,7 +9,7 @@ import pytest
 
 from controller.laws.feedforward import FeedForwardConfig, ForecastState, forecast, forecast_update
 from controller.laws.mpc import MpcConfig, MpcOutput, mpc_advance, mpc_initial_state, mpc_step
-from controller.laws.pi import PiGains, PiLoop, PiState, pi_gains, pi_step
+from controller.laws.pi import PiConfig, PiGains, PiLoop, PiState, pi_gains, pi_step
 from controller.laws.slack import SlackConfig, slack_step
 from models.plant.fopdt import FopdtFit
 
@@ -157,3 +157,15 @@ def test_forecast_extrapolates_rises_only():
 def test_slack_law_actions(outputs, u_applied, expected):
     """The Heracles-style law cuts, shrinks, holds or grows by the slack band."""
     assert slack_step(outputs, u_applied, SlackConfig(), 0.0, 1e6) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    ("u", "reference", "expected"),
+    [(70_000.0, 70_000.0, 1.0), (140_000.0, 70_000.0, 1.0), (14_000.0, 70_000.0, 0.2),
+     (0.0, 70_000.0, 0.1), (5_000.0, 0.0, 1.0)],
+    ids=["at-reference", "above-reference-capped", "fifth-of-reference", "floor", "off"],
+)
+def test_pi_gains_scale_with_the_budget_below_the_reference(u, reference, expected):
+    """Configured PI gains scale with the budget below the reference, floored, never up."""
+    config = PiConfig(gain_reference_tokens_per_s=reference, min_gain_scale=0.1)
+    assert config.operating_scale(u) == pytest.approx(expected)
