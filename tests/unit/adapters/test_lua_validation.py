@@ -10,15 +10,18 @@ epoch cannot fence the elected controller out.
 from __future__ import annotations
 
 import time
+from importlib import resources
 
 import pytest
 import redis
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from adapters.gate import Gate
 from adapters.redis_conn import connect
 from adapters.store import BudgetStore, PoolKeys, ReadStatus
 from models.budget import Budget, Mode
-from models.errors import InputError
+from models.errors import BudgetRecordError, InputError
 
 POOL = "p1"
 KEYS = PoolKeys(POOL)
@@ -183,3 +186,40 @@ def test_stop_works_with_a_malformed_epoch_counter(client, counter) -> None:
         store.publish(_budget(), epoch=1, ttl_ms=60_000, now_s=time.time())
     assert store.stop("ops").mode is Mode.STOPPED
     assert store.stop_reason() == "ops"
+
+
+def _python_reads(text: str, kind: type) -> bool:
+    try:
+        Budget.from_fields({**_budget(epoch=1, ttl_ms=5000).to_fields(),
+                            ("max_batch_seqs" if kind is int else "batch_tokens_per_s"): text})
+    except BudgetRecordError:
+        return False
+    return True
+
+
+NUMBERISH = st.one_of(
+    st.text(alphabet="0123456789.-+eExXabfinINF _\n\t", max_size=12),
+    st.integers(min_value=-10**17, max_value=10**17).map(str),
+    st.floats(allow_nan=True, allow_infinity=True).map(repr),
+)
+
+
+COMMON_LUA = resources.files("adapters.lua").joinpath("common.lua").read_text()
+PARSE_BOTH = COMMON_LUA + """
+local i, x = parse_int(ARGV[1]), parse_number(ARGV[1])
+return {i ~= nil and i >= 0 and 1 or 0, x ~= nil and x >= 0 and 1 or 0}
+"""
+
+
+@settings(max_examples=400, deadline=None)
+@given(text=NUMBERISH)
+def test_lua_and_python_read_numbers_alike(shared_redis, text: str) -> None:
+    """For any text, the scripts' number parser and the Python record reader agree on
+    whether it is a usable integer / number (so the gate and `borrowd status` agree)."""
+    client = connect(shared_redis.extra["url"])
+    try:
+        lua_int, lua_number = client.eval(PARSE_BOTH, 0, text)
+    finally:
+        client.close()
+    assert bool(lua_int) == _python_reads(text, int), text
+    assert bool(lua_number) == _python_reads(text, float), text
