@@ -129,7 +129,7 @@ class BatchApi:
     async def _content(self, request: web.Request) -> web.Response:
         file_id = request.match_info["file_id"]
         await self.service.file(request[_TENANT], file_id)
-        return web.Response(body=self.service.content(file_id),
+        return web.Response(body=await asyncio.to_thread(self.service.content, file_id),
                             content_type="application/octet-stream")
 
     async def _create(self, request: web.Request) -> web.Response:

@@ -10,6 +10,7 @@ Result files are written (and fsynced) before the job's status says they exist.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
@@ -87,7 +88,7 @@ class BatchService:
         except BatchInputError as exc:
             raise ApiError(400, str(exc), exc.field, "invalid_batch_input") from None
         file_id = f"file-{uuid.uuid4().hex}"
-        self.files.write(file_id, [data])
+        await asyncio.to_thread(self.files.write, file_id, [data])
         record = {"id": file_id, "object": "file", "bytes": len(data),
                   "created_at": int(self.clock()), "filename": filename or "input.jsonl",
                   "purpose": "batch", "status": "processed", "tenant": tenant,
@@ -155,7 +156,8 @@ class BatchService:
     async def _start(self, job_id: str, tenant: str, job_key: str, file_id: str,
                      endpoint: str) -> None:
         try:
-            items = parse_input(self.files.read(file_id), self.config.serve.limits())
+            data = await asyncio.to_thread(self.files.read, file_id)
+            items = parse_input(data, self.config.serve.limits())
             wrong = next((i for i in items if i.url != endpoint), None)
             if wrong is not None:
                 raise BatchInputError(wrong.line, "url", f"{wrong.url!r} differs from the "
@@ -365,8 +367,8 @@ class BatchService:
 
     async def _write_file(self, job: dict[str, str], kind: str, records: list[dict]) -> str:
         file_id = f"file-{job['id']}-{kind}"
-        size = self.files.write(file_id, (json.dumps(r, separators=(",", ":")).encode() + b"\n"
-                                          for r in records))
+        lines = [json.dumps(r, separators=(",", ":")).encode() + b"\n" for r in records]
+        size = await asyncio.to_thread(self.files.write, file_id, lines)
         await self.store.put_file({
             "id": file_id, "object": "file", "bytes": size, "created_at": int(self.clock()),
             "filename": f"{job['id']}_{kind}.jsonl", "purpose": "batch_output",
