@@ -21,7 +21,7 @@ import os
 import random
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 
 from models.errors import ConfigError
 from models.sim.engine import EngineConfig, SchedulerOutput, StepResult
@@ -143,7 +143,7 @@ def build_scheduler(
         max_num_seqs=config.max_num_seqs,
         max_model_len=config.max_model_len,
         is_encoder_decoder=False,
-        policy=config.policy,
+        policy=cast(Literal["fcfs", "priority"], config.policy),
         long_prefill_token_threshold=config.long_prefill_token_threshold,
         enable_chunked_prefill=True,
         async_scheduling=False,
