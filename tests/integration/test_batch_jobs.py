@@ -223,9 +223,9 @@ def test_job_that_cannot_finish_says_so_and_expires(stack: BatchStack, client) -
     uploaded = client.files.create(file=("in.jsonl", chat_lines(5, 50, "late")),
                                    purpose="batch")
     batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
-                                  completion_window="3s")  # type: ignore[arg-type]
+                                  completion_window="4s")  # type: ignore[arg-type]
     flagged = wait_until(lambda: client.batches.retrieve(batch.id).model_extra["borrowd"]
-                         ["at_risk"], 2.5, "the at-risk flag", interval_s=0.1)
+                         ["at_risk"], 3.5, "the at-risk flag", interval_s=0.1)
     assert flagged is True
     done = wait_terminal(client, batch.id, 10)
     assert done.status == "expired" and done.expired_at
