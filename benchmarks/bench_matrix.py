@@ -18,7 +18,7 @@ split is fixed in `shapes.py`: tune on `tune` shapes only). Runs without a contr
 priority, static caps) are cached under ~/.cache/borrowd/matrix-runs, keyed by the run and
 the simulator's source, so a rerun after a controller change runs only the law.
 
-    python3 benchmarks/bench_matrix.py --quick                 # 900 s runs, small sweep
+    python3 benchmarks/bench_matrix.py --quick                 # 600 s runs, small sweep
     python3 benchmarks/bench_matrix.py --duration 3600 --plot matrix.png --json matrix.json
 """
 
@@ -79,7 +79,7 @@ class Grid:
     refine_steps: int
 
 
-QUICK_GRID = Grid((0.05, 0.15, 0.3, 0.45, 0.6, 0.75), (2, 8), 1)
+QUICK_GRID = Grid((0.05, 0.15, 0.3, 0.5, 0.7), (2, 8), 1)
 FULL_GRID = Grid((0.03, 0.08, 0.15, 0.25, 0.35, 0.45, 0.55, 0.65, 0.75, 0.9), (1, 2, 4, 8, 16), 2)
 
 
@@ -393,7 +393,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Parse arguments, run the matrix, print the tables (tune, then held out)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true",
-                   help="900 s runs and a small sweep (minutes on two cores)")
+                   help="600 s runs and a small sweep (minutes on two idle cores)")
     p.add_argument("--duration", type=float, help="simulated seconds per run (default 1800)")
     p.add_argument("--shapes", nargs="+", help="shape names (default: all)")
     p.add_argument("--split", choices=(TUNE, HELD_OUT), help="only shapes of this split")
@@ -410,7 +410,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.split:
         shapes = [s for s in shapes if s.split == args.split]
-    duration_s = args.duration or (900.0 if args.quick else 1800.0)
+    duration_s = args.duration or (600.0 if args.quick else 1800.0)
     if not duration_s > 0 or args.workers < 1:
         print("bench_matrix: --duration and --workers must be > 0", file=sys.stderr)
         return 2
