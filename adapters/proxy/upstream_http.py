@@ -41,6 +41,10 @@ class UpstreamError(Exception):
         self.kind = kind
 
 
+class _OutOfStep(Exception):
+    """The upstream sent a response no request is waiting for."""
+
+
 class _Target:
     """Where one upstream base URL points: scheme, host, port, path prefix, idle pool."""
 
@@ -221,6 +225,12 @@ class _Connection(asyncio.Protocol):
                 self._fail("connection closed early" if exc is None else repr(exc))
 
     # -- httptools callbacks -----------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        if self.current is None:
+            # A second answer in the read that ended the first answers no request: stop
+            # parsing (the parser error closes the connection) rather than pool it mid-way.
+            raise _OutOfStep
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
