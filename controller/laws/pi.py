@@ -16,6 +16,7 @@ the SIMC or IMC rules (`pi_gains`).
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field, replace
 
 from controller.laws.base import OUTPUTS, LawSettings, LawTick, Proposal, tracked_outputs
@@ -109,8 +110,15 @@ class PiConfig:
         },
     )
     min_gain_scale: float = field(
-        default=0.1,
+        default=0.2,
         metadata={"unit": "1", "help": "least scale of the gains below the reference budget"},
+    )
+    gain_window_s: float = field(
+        default=0.0,
+        metadata={
+            "unit": "s",
+            "help": "the gains scale with the highest budget of this long (0: the last one)",
+        },
     )
 
     def __post_init__(self) -> None:
@@ -126,10 +134,12 @@ class PiConfig:
                 raise ConfigError(f"pi.{name} must be >= 0, got {getattr(self, name)!r}")
         if self.decrease_boost < 1.0:
             raise ConfigError(f"pi.decrease_boost must be >= 1, got {self.decrease_boost!r}")
-        if self.gain_reference_tokens_per_s < 0 or not 0 < self.min_gain_scale <= 1:
+        if (self.gain_reference_tokens_per_s < 0 or not 0 < self.min_gain_scale <= 1
+                or self.gain_window_s < 0):
             raise ConfigError(
-                "pi needs gain_reference_tokens_per_s >= 0 and min_gain_scale in (0, 1], got "
-                f"{self.gain_reference_tokens_per_s!r}, {self.min_gain_scale!r}"
+                "pi needs gain_reference_tokens_per_s >= 0, min_gain_scale in (0, 1] and "
+                f"gain_window_s >= 0, got {self.gain_reference_tokens_per_s!r}, "
+                f"{self.min_gain_scale!r}, {self.gain_window_s!r}"
             )
 
     def operating_scale(self, u_tokens_per_s: float) -> float:
@@ -137,7 +147,8 @@ class PiConfig:
 
         The burn a batch token adds grows as the room batch has shrinks (a small fleet, a
         tight SLO), so gains fixed in tokens/s that suit 70k tokens/s of room make a loop
-        around 15k oscillate; scaled with the budget, the loop gain stays about constant.
+        around 15k oscillate; scaled with the budget (its highest of `gain_window_s`, so a
+        cut does not slow the way back), the loop gain stays about constant.
         """
         if self.gain_reference_tokens_per_s <= 0:
             return 1.0
@@ -237,6 +248,7 @@ class PiLaw:
         self.loops = tuple(loops)
         self.burn_setpoints = (cfg.setpoint_ttft_burn, cfg.setpoint_itl_burn)
         self.pi_state = PiState.initial(len(OUTPUTS))
+        self.recent_u: deque[tuple[float, float]] = deque()
 
     def law_outputs(self, tick: LawTick) -> tuple[tuple[float, ...], tuple[PiLoop, ...]]:
         """What each loop tracks: its SLO burn against the burn setpoint when measured, else
@@ -250,6 +262,11 @@ class PiLaw:
     def propose(self, tick: LawTick) -> Proposal:
         """One PI step from the budget applied last tick (external-reset anti-windup)."""
         outs, loops = self.law_outputs(tick)
+        now_s = tick.obs.now_s
+        self.recent_u.append((now_s, tick.u_applied_tokens_per_s))
+        while self.recent_u and self.recent_u[0][0] < now_s - self.config.gain_window_s:
+            self.recent_u.popleft()
+        u_recent = max(u for _, u in self.recent_u)
         result = pi_step(
             loops,
             self.pi_state,
@@ -260,7 +277,7 @@ class PiLaw:
             self.u_max_tokens_per_s,
             du_ff=tick.du_ff_tokens_per_s,
             gain_scales=tuple(
-                (self.config.operating_scale(tick.u_applied_tokens_per_s) if scaled else 1.0) / r
+                (self.config.operating_scale(u_recent) if scaled else 1.0) / r
                 for r, scaled in zip(tick.gain_ratios, self.scaled, strict=True)
             ),
             decrease_boost=self.config.decrease_boost,
