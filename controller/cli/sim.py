@@ -18,8 +18,7 @@ from models.sim.bench import format_table, plot, run_bench
 from models.sim.cores import DEFAULT_ENGINE, ENGINE_CORES
 from models.sim.profiles import get_profile
 from models.sim.run import run_scenario, slo_json
-from models.sim.scenario import ENFORCEMENTS, Scenario, get_scenario
-from models.sim.scenario_file import with_slo
+from models.sim.scenario import ENFORCEMENTS, Scenario, get_scenario, with_slo
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -135,7 +135,9 @@ class EngineConfig:
     @classmethod
     def for_profile(cls, profile: StepProfile, **overrides: object) -> EngineConfig:
         """Config whose KV pool holds the profile's KV capacity, with `overrides` applied."""
-        block_size = int(overrides.get("block_size", 16))  # type: ignore[arg-type]
+        block_size = overrides.get("block_size", 16)
+        if not isinstance(block_size, int) or block_size <= 0:
+            raise ConfigError(f"engine block_size must be an integer > 0, got {block_size!r}")
         kw: dict[str, object] = {"num_gpu_blocks": profile.kv_capacity_tokens // block_size}
         kw.update(overrides)
         return cls(**kw)  # type: ignore[arg-type]
@@ -405,7 +407,8 @@ class Engine:
         decode_kv = 0
         pairs = 0
         limited = self._batch_limited
-        batch_left = self.batch_step_allowance() if limited else 0
+        allowance = self.batch_step_allowance()
+        batch_left = allowance if allowance is not None else 0
         pool = self._pool
         i = 0
         while i < n_run and budget > 0:
@@ -487,9 +490,10 @@ class Engine:
             max_seqs = cfg.max_num_seqs
             full = cfg.admit_full_prompt
             while budget > 0 and len(running) < max_seqs:
-                req = self._peek_waiting()
-                if req is None:
+                head = self._peek_waiting()
+                if head is None:
                     break
+                req = head
                 total = req.prompt_tokens + req.output_tokens
                 hits = pool.find_hits(req, total - 1) if pool is not None else []
                 cached = len(hits) * bs

@@ -4,14 +4,24 @@ A scenario fixes the fleet (replicas, profile, engine settings, router), the int
 workload (trace, target load, burst), the batch workload (backlog or fixed rate), optional
 replica failures, the SLO and how the batch budget is enforced (`enforcement`). Times that
 depend on the run length (burst, failure) are given as fractions of the duration so that a
-20-minute and a one-hour run both contain them. Scenarios are written as TOML files
-(`models.sim.scenario_file`); the built-in ones are such files, `SEED` is their defaults.
+20-minute and a one-hour run both contain them.
+
+Scenarios are TOML files. One table of keys (`KEYS`: where each lives, its type, its bounds,
+one line of help) drives the parser, the error messages and `borrowd scenario example`, so
+they cannot drift apart. Relative paths (traces, length pools, profile files) resolve
+against the scenario file's folder; a bare name that is not a file there is looked up as
+before (the packaged traces or $BORROWD_TRACES_DIR, the built-in profiles). A section that
+is absent turns its feature off (`[interactive.burst]`, `[failure]`); a key that is absent
+keeps `seed`'s value. The built-in scenarios are such files (`models/sim/data/scenarios/`),
+and `SEED` is their defaults.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import tomllib
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from models.errors import InputError
 from models.priority import BATCH_PRIORITY
@@ -142,9 +152,294 @@ SEED = Scenario(name="seed")
 SEED_FAILURE = Scenario(name="seed-failure", failure=Failure())
 
 
-def get_scenario(name_or_path: str) -> Scenario:
-    """A built-in scenario by name (its file in `models/sim/data/scenarios/`), or a scenario
-    TOML file by path; `InputError` naming the known ones otherwise."""
-    from models.sim.scenario_file import get_scenario as from_file
+SCENARIOS_DIR = Path(__file__).resolve().parent / "data" / "scenarios"
+BATCH_MODES = (BACKLOG, RATE)
 
-    return from_file(name_or_path)
+
+@dataclass(frozen=True)
+class Key:
+    """One scenario key: dotted `name`, Python `kind`, bounds or choices, help, target.
+
+    `target` is where the value goes: `scenario.FIELD`, `slo.FIELD`, `burst.FIELD`,
+    `batch.FIELD` or `failure.FIELD`. `path` marks values resolved against the file's folder.
+    """
+
+    name: str
+    kind: type
+    help: str
+    target: str
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    choices: tuple[str, ...] = ()
+    path: bool = False
+
+    def check(self, value: object) -> str | None:
+        """Why `value` is not acceptable for this key, or None when it is."""
+        if self.kind is bool:
+            ok = isinstance(value, bool)
+        elif self.kind is int:
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        elif self.kind is float:
+            ok = isinstance(value, int | float) and not isinstance(value, bool)
+        else:
+            ok = isinstance(value, str) and bool(value)
+        if not ok:
+            return f"must be {_KIND_WORDS[self.kind]}"
+        if self.choices and value not in self.choices:
+            return f"must be one of {', '.join(self.choices)}"
+        number = float(value) if isinstance(value, int | float) else None
+        if number is not None and self.low is not None:
+            if self.low_open and not number > self.low:
+                return f"must be > {self.low:g}"
+            if not self.low_open and not number >= self.low:
+                return f"must be >= {self.low:g}"
+        if number is not None and self.high is not None and not number <= self.high:
+            return f"must be <= {self.high:g}"
+        return None
+
+
+_KIND_WORDS: dict[type, str] = {
+    bool: "true or false", int: "an integer", float: "a number", str: "a non-empty string",
+}
+
+KEYS: tuple[Key, ...] = (
+    Key("name", str, "scenario name, shown in reports", "scenario.name"),
+    Key("pool", str, "pool name the simulated fleet stands for", "scenario.pool"),
+    Key("replicas", int, "engine replicas behind the router", "scenario.replicas", low=1),
+    Key("profile", str, "step-time profile: a built-in name (`borrowd profile list`) or a "
+        "profile TOML file", "scenario.profile", path=True),
+    Key("max_num_batched_tokens", int, "vLLM token budget per engine step",
+        "scenario.max_num_batched_tokens", low=1),
+    Key("max_num_seqs", int, "vLLM cap on running sequences per engine",
+        "scenario.max_num_seqs", low=1),
+    Key("block_size", int, "KV cache block size in tokens", "scenario.block_size", low=1),
+    Key("long_prefill_token_threshold", int, "vLLM chunk cap for long prefills (0 = none)",
+        "scenario.long_prefill_token_threshold", low=0),
+    Key("enable_prefix_caching", bool, "vLLM automatic prefix caching (on by default in vLLM "
+        "V1)", "scenario.enable_prefix_caching"),
+    Key("router", str, "how requests are spread over replicas", "scenario.router",
+        choices=ROUTERS),
+    Key("enforcement", str, "batch budget enforced by the admission gate, or the gate plus "
+        "the engine plugin's per-step limit", "scenario.enforcement", choices=ENFORCEMENTS),
+    Key("ttft_timeout_s", float, "an interactive request waiting longer than this for its "
+        "first token fails (s)", "scenario.ttft_timeout_s", low=0, low_open=True),
+    Key("window_s", float, "length of the SLO verdict windows (s)", "scenario.window_s",
+        low=0, low_open=True),
+    Key("observe_window_s", float, "sliding window of the signals the policy reads (s)",
+        "scenario.observe_window_s", low=0, low_open=True),
+    Key("calibration_s", float, "longest run used to find the interactive rate scale (s)",
+        "scenario.calibration_s", low=0, low_open=True),
+    Key("slo.ttft_p95_s", float, "interactive p95 time to first token SLO (s)",
+        "slo.ttft_p95_s", low=0, low_open=True),
+    Key("slo.itl_p95_s", float, "interactive p95 inter-token latency SLO (s)",
+        "slo.itl_p95_s", low=0, low_open=True),
+    Key("slo.success_rate", float, "share of interactive requests that must succeed",
+        "slo.success_rate", low=0, high=1, low_open=True),
+    Key("interactive.trace", str, "interactive trace: Azure CSV or JSONL (Mooncake format "
+        "with hash_ids), optionally .gz", "scenario.interactive_trace", path=True),
+    Key("interactive.load", float, "GPU busy fraction of interactive work alone (the trace's "
+        "rate is scaled to reach it)", "scenario.interactive_load", low=0, high=0.999,
+        low_open=True),
+    Key("interactive.priority", int, "vLLM priority of interactive requests (lower first)",
+        "scenario.interactive_priority"),
+    Key("interactive.shape", str, "trace: replay as is; multi-turn: each conversation's turn "
+        "prompt is the conversation so far (shared prefixes)", "scenario.interactive_shape",
+        choices=INTERACTIVE_SHAPES),
+    Key("interactive.burst.duration_s", float, "burst length (s)", "burst.duration_s",
+        low=0, low_open=True),
+    Key("interactive.burst.rate_multiplier", float, "interactive rate multiplier in the burst",
+        "burst.rate_multiplier", low=0, low_open=True),
+    Key("interactive.burst.centre_frac", float, "burst centre as a fraction of the run",
+        "burst.centre_frac", low=0, high=1),
+    Key("batch.mode", str, "backlog: always full; rate: submit_rate_per_s jobs per second",
+        "batch.mode", choices=BATCH_MODES),
+    Key("batch.lengths_file", str, "batch (prompt, output) length pool CSV "
+        "(num_prefill_tokens,num_decode_tokens,...)", "batch.lengths_file", path=True),
+    Key("batch.prompt_scale", int, "batch prompt = pool prompt x this", "batch.prompt_scale",
+        low=1),
+    Key("batch.prompt_clip_tokens", int, "batch prompts clipped to this many tokens",
+        "batch.prompt_clip_tokens", low=1),
+    Key("batch.output_clip_tokens", int, "batch outputs clipped to this many tokens",
+        "batch.output_clip_tokens", low=1),
+    Key("batch.submit_rate_per_s", float, "batch jobs per second in rate mode",
+        "batch.submit_rate_per_s", low=0),
+    Key("batch.client_concurrency", int, "batch requests the client keeps in flight",
+        "batch.client_concurrency", low=1),
+    Key("batch.priority", int, "vLLM priority of batch requests (lower first)",
+        "batch.priority"),
+    Key("failure.replica", int, "replica taken down", "failure.replica", low=0),
+    Key("failure.start_frac", float, "outage start as a fraction of the run",
+        "failure.start_frac", low=0, high=1),
+    Key("failure.duration_s", float, "outage length (s)", "failure.duration_s", low=0,
+        low_open=True),
+)
+KEYS_BY_NAME = {k.name: k for k in KEYS}
+_builtin_cache: dict[str, Scenario] = {}
+SECTIONS = ("slo", "interactive", "interactive.burst", "batch", "failure")
+
+
+def load_scenario_file(path: str | Path) -> Scenario:
+    """The scenario in TOML file `path`; `InputError` naming the key and bad value."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise InputError(f"scenario file {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"scenario file {path} cannot be read: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise InputError(f"scenario file {path}: not valid TOML: {exc}") from None
+    values = _flatten(path, data)
+    return scenario_from_values(values, base_dir=path.resolve().parent, origin=str(path),
+                                default_name=path.stem)
+
+
+def scenario_from_values(values: dict[str, object], *, base_dir: Path, origin: str,
+                         default_name: str) -> Scenario:
+    """Build a scenario from flat dotted keys over `seed`'s defaults (see `KEYS`)."""
+    for name, value in values.items():
+        key = KEYS_BY_NAME.get(name)
+        if key is None:
+            raise InputError(f"scenario {origin}: unknown key {name!r}")
+        why = key.check(value)
+        if why is not None:
+            raise InputError(f"scenario {origin}: {name} {why}, got {value!r}")
+    groups: dict[str, dict[str, object]] = {
+        g: {} for g in ("scenario", "slo", "burst", "batch", "failure")
+    }
+    for name, value in values.items():
+        key = KEYS_BY_NAME[name]
+        group, field_name = key.target.split(".")
+        if key.kind is float:
+            value = float(value)  # type: ignore[arg-type]
+        if key.path:
+            value = _resolve(base_dir, str(value))
+        groups[group][field_name] = value
+    fields = groups["scenario"]
+    fields.setdefault("name", default_name)
+    fields["slo"] = Slo(**groups["slo"])  # type: ignore[arg-type]
+    fields["batch"] = BatchWorkload(**groups["batch"])  # type: ignore[arg-type]
+    has_burst = any(n.startswith("interactive.burst.") for n in values)
+    fields["burst"] = Burst(**groups["burst"]) if has_burst else None  # type: ignore[arg-type]
+    has_failure = any(n.startswith("failure.") for n in values)
+    fields["failure"] = (
+        Failure(**groups["failure"]) if has_failure else None  # type: ignore[arg-type]
+    )
+    try:
+        return Scenario(**fields)  # type: ignore[arg-type]
+    except InputError as exc:
+        raise InputError(f"scenario {origin}: {exc}") from None
+
+
+def _flatten(path: Path, data: dict[str, object], prefix: str = "") -> dict[str, object]:
+    """Dotted keys of the leaves of the TOML tables; a table where a value belongs (or the
+    reverse) is an error naming the key."""
+    out: dict[str, object] = {}
+    for name, value in data.items():
+        dotted = f"{prefix}{name}"
+        if isinstance(value, dict):
+            if dotted not in SECTIONS:
+                raise InputError(f"scenario file {path}: unknown section [{dotted}]")
+            out.update(_flatten(path, value, dotted + "."))
+            if dotted in ("interactive.burst", "failure") and not value:
+                raise InputError(
+                    f"scenario file {path}: [{dotted}] is empty (leave the section out to "
+                    "turn it off, or set its keys)"
+                )
+        else:
+            out[dotted] = value
+    return out
+
+
+def _resolve(base_dir: Path, value: str) -> str:
+    """`value` against `base_dir` when it has a folder part or names a file there."""
+    candidate = Path(value).expanduser()
+    if candidate.is_absolute():
+        return str(candidate)
+    beside = base_dir / candidate
+    if len(candidate.parts) > 1 or beside.exists():
+        return str(beside)
+    return value
+
+
+def builtin_scenarios() -> dict[str, Path]:
+    """Built-in scenario names and their files."""
+    return {p.stem: p for p in sorted(SCENARIOS_DIR.glob("*.toml"))}
+
+
+def get_scenario(name_or_path: str | Path) -> Scenario:
+    """A built-in scenario by name, or the scenario file at a path (`.toml`)."""
+    text = str(name_or_path)
+    builtin = builtin_scenarios()
+    if text in builtin:
+        if text not in _builtin_cache:
+            _builtin_cache[text] = load_scenario_file(builtin[text])
+        return _builtin_cache[text]
+    if text.endswith(".toml") or Path(text).exists() or len(Path(text).parts) > 1:
+        return load_scenario_file(Path(text))
+    known = ", ".join(builtin)
+    raise InputError(f"unknown scenario {text!r} (known: {known}; or a scenario .toml file)")
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return f'"{value}"'
+    if isinstance(value, float):
+        return repr(value)
+    return str(value)
+
+
+def _current(scenario: Scenario, key: Key) -> object:
+    group, field_name = key.target.split(".")
+    holder: object = {
+        "scenario": scenario, "slo": scenario.slo, "batch": scenario.batch,
+        "burst": scenario.burst or Burst(), "failure": scenario.failure or Failure(),
+    }[group]
+    return getattr(holder, field_name)
+
+
+def example_text(scenario: Scenario | None = None) -> str:
+    """A commented scenario file with every key at `scenario`'s (default `seed`'s) value;
+    a section the scenario does not use is written commented out."""
+    sc = scenario or get_scenario("seed")
+    off = {"interactive.burst": sc.burst is None, "failure": sc.failure is None}
+    lines = [
+        "# borrowd simulator scenario (`borrowd sim|bench --scenario THIS.toml`).",
+        "# Every key is optional: an absent key keeps seed's value. Relative paths resolve",
+        "# against this file's folder; a bare trace name is a packaged trace (or a file in",
+        "# $BORROWD_TRACES_DIR). Without [interactive.burst] or [failure] there is no burst",
+        "# or no failure.",
+    ]
+    section = ""
+    for key in KEYS:
+        head, _, leaf = key.name.rpartition(".")
+        hidden = "# " if off.get(head) else ""
+        if head != section:
+            section = head
+            lines.append("")
+            lines.append(f"{hidden}[{head}]")
+        choices = f" ({' | '.join(key.choices)})" if key.choices else ""
+        lines.append(f"# {key.help}{choices}")
+        lines.append(f"{hidden}{leaf} = {_toml_value(_current(sc, key))}")
+    return "\n".join(lines) + "\n"
+
+
+def with_slo(scenario: Scenario, ttft_p95_s: float | None, itl_p95_s: float | None,
+             success_rate: float | None = None) -> Scenario:
+    """`scenario` with the SLOs given replaced (validated like the file's keys)."""
+    changes: dict[str, float] = {}
+    for name, value in (("ttft_p95_s", ttft_p95_s), ("itl_p95_s", itl_p95_s),
+                        ("success_rate", success_rate)):
+        if value is None:
+            continue
+        why = KEYS_BY_NAME[f"slo.{name}"].check(value)
+        if why is not None:
+            raise InputError(f"--slo-{name.replace('_', '-')} {why}, got {value!r}")
+        changes[name] = float(value)
+    if not changes:
+        return scenario
+    return scenario.with_overrides(slo=dataclasses.replace(scenario.slo, **changes))
+

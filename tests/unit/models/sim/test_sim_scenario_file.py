@@ -9,8 +9,15 @@ import pytest
 
 from controller.cli import main
 from models.errors import InputError
-from models.sim.scenario import SEED, SEED_FAILURE, get_scenario
-from models.sim.scenario_file import KEYS, example_text, load_scenario_file, with_slo
+from models.sim.scenario import (
+    KEYS,
+    SEED,
+    SEED_FAILURE,
+    example_text,
+    get_scenario,
+    load_scenario_file,
+    with_slo,
+)
 from models.sim.trace import resolve_trace
 
 
