@@ -1,7 +1,8 @@
 """The supervisor: modes, hard limits and hysteresis above any control law.
 
     open     the law sets the budget
-    ramp     reopening: budget = min(law, ramp), ramp += slew * dt, until the cap or the law binds
+    ramp     reopening: budget = ramp start (a share of the budget before the cut), then
+             min(law, ramp), ramp += slew * dt, until the cap or the law binds
     closed   budget 0: entered at once when an SLO burns, KV usage passes its limit or the
              oldest interactive wait passes its limit (a multiple of the TTFT SLO); left only
              after every signal has stayed under its (lower) reopen threshold for `quiet_s`,
@@ -402,11 +403,11 @@ def _next(
         quiet_since = state.quiet_since_s if math.isfinite(state.quiet_since_s) else now_s
         if now_s - quiet_since < config.quiet_s:
             return replace(state, quiet_since_s=quiet_since), 0.0
+        # Reopen at the ramp's start, not at the law's proposal: the law moved from the 0
+        # applied while closed, and handing over to it would restart the climb from nothing.
         ramp = state.ramp_tokens_per_s
         reason = f"reopen: quiet for {now_s - quiet_since:.0f}s"
-        return SupervisorState(Mode.RAMP, math.nan, ramp, reason, False), max(
-            0.0, min(u_law, ramp)
-        )
+        return SupervisorState(Mode.RAMP, math.nan, ramp, reason, False), max(0.0, ramp)
     if state.mode == Mode.RAMP:
         ramp = state.ramp_tokens_per_s + config.ramp_slew_tokens_per_s2 * dt_s
         if ramp >= config.ramp_cap_tokens_per_s:
