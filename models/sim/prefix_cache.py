@@ -35,6 +35,7 @@ from models.sim.request import Request
 OUTPUT_ID = -1  # content id of generated tokens (their tokens are what the model sampled)
 NO_HASH = 0
 PRIVATE = 1  # a cached block of content no other request has (not in the hash map)
+SMALL = 8  # up to this many blocks, per-block Python beats numpy's call overhead
 
 
 def is_private(req: Request) -> bool:
@@ -149,6 +150,20 @@ class BlockPool:
         else:
             blocks = [e % n for e in entries]
         hashes = self._hash
+        if count <= SMALL:
+            is_free = self._is_free
+            ref = self._ref
+            for b in blocks:
+                is_free[b] = False
+                ref[b] = 1
+                h = hashes[b]
+                if h == PRIVATE:
+                    hashes[b] = NO_HASH
+                elif h != NO_HASH:
+                    self._evict(b)
+            req.block_ids.extend(blocks)
+            self._num_free -= count
+            return
         idx = np.array(blocks, dtype=np.int64)
         self._is_free[idx] = False
         self._ref[idx] = 1
@@ -187,7 +202,12 @@ class BlockPool:
             return
         ids = req.block_ids
         if is_private(req):
-            self._hash[ids[start:full]] = PRIVATE
+            if full - start <= SMALL:
+                hashes = self._hash
+                for b in ids[start:full]:
+                    hashes[b] = PRIVATE
+            else:
+                self._hash[ids[start:full]] = PRIVATE
             req.num_cached_blocks = full
             return
         for j in range(start, full):
