@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -23,21 +23,29 @@ log = logging.getLogger(__name__)
 
 
 class AdmissionLike(Protocol):
-    """What the proxy reads from a gate decision (`adapters.gate.Admission`)."""
+    """What the proxy reads from a gate decision (`adapters.gate.Admission`, frozen)."""
 
-    admitted: bool
-    reason: str
-    retry_after_s: float
-    max_output_tokens: int
-    lease_ms: int
+    @property
+    def admitted(self) -> bool: ...
+    @property
+    def reason(self) -> str: ...
+    @property
+    def retry_after_s(self) -> float: ...
+    @property
+    def max_output_tokens(self) -> int: ...
+    @property
+    def lease_ms(self) -> int: ...
 
 
 class RevocationLike(Protocol):
     """One entry of the revoke stream (`adapters.gate.Revocation`)."""
 
-    stream_id: str
-    request_id: str
-    reason: str
+    @property
+    def stream_id(self) -> str: ...
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def reason(self) -> str: ...
 
 
 class GateLike(Protocol):
@@ -58,7 +66,7 @@ class GateLike(Protocol):
         ...
 
     async def revocations(self, last_id: str = "$", block_ms: int | None = None
-                          ) -> tuple[str, list[RevocationLike]]:
+                          ) -> tuple[str, Sequence[RevocationLike]]:
         """Revocations after `last_id`, waiting up to `block_ms`."""
         ...
 
