@@ -9,9 +9,8 @@ from __future__ import annotations
 import json
 
 import redis
-
-from adapters.store import PoolKeys
-from models.rollout import parse_ceiling
+from borrowd.adapters.store import PoolKeys
+from borrowd.models.rollout import parse_ceiling
 
 
 def ceiling_key(pool: str) -> str:

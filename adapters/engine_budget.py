@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
-from models.enforcement import (
+from borrowd.models.enforcement import (
     DEFAULT_MIN_BATCH_TOKENS_PER_STEP,
     INITIAL_STEP_S,
     MAX_STEP_S,
@@ -24,8 +24,8 @@ from models.enforcement import (
     batch_tokens_per_step,
     engine_share,
 )
-from models.errors import ConfigError
-from models.priority import BATCH_PRIORITY
+from borrowd.models.errors import ConfigError
+from borrowd.models.priority import BATCH_PRIORITY
 
 __all__ = [
     "DEFAULT_BATCH_PRIORITY",
@@ -78,7 +78,7 @@ class PluginConfig:
         """Read `BORROWD_POOL` (required), `BORROWD_REDIS_URL`, `BORROWD_BATCH_PRIORITY`,
         `BORROWD_BUDGET_POLL_S`, `BORROWD_MIN_BATCH_TOKENS_PER_STEP`, `BORROWD_POOL_ENGINES`
         (how many engines share the pool's budget, default 1)."""
-        from adapters.redis_conn import resolve_redis_url
+        from borrowd.adapters.redis_conn import resolve_redis_url
 
         env = os.environ if env is None else env
         return cls(

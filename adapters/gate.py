@@ -18,12 +18,11 @@ from typing import cast
 
 import redis
 import redis.asyncio
-
-from adapters.lua import script_text
-from adapters.store import REAP_LIMIT, PoolKeys
-from models.budget import SCHEMA_VERSION
-from models.errors import InputError
-from models.priority import BATCH_PRIORITY, INTERACTIVE_PRIORITY
+from borrowd.adapters.lua import script_text
+from borrowd.adapters.store import REAP_LIMIT, PoolKeys
+from borrowd.models.budget import SCHEMA_VERSION
+from borrowd.models.errors import InputError
+from borrowd.models.priority import BATCH_PRIORITY, INTERACTIVE_PRIORITY
 
 DEFAULT_LEASE_MS = 30_000
 # Retry hint when a denial has no better one (no record, caps full).

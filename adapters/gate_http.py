@@ -52,12 +52,11 @@ import redis
 import redis.asyncio
 import structlog
 from aiohttp import web
-
-from adapters.gate import BATCH_PRIORITY, DEFAULT_LEASE_MS, Admission, AsyncGate
-from adapters.redis_conn import connect_async, redact_url, resolve_redis_url
-from models.config_loader import build_dataclass, load_toml, meta, reject_unknown
-from models.errors import ConfigError, InputError
-from models.priority import INTERACTIVE_PRIORITY
+from borrowd.adapters.gate import BATCH_PRIORITY, DEFAULT_LEASE_MS, Admission, AsyncGate
+from borrowd.adapters.redis_conn import connect_async, redact_url, resolve_redis_url
+from borrowd.models.config_loader import build_dataclass, load_toml, meta, reject_unknown
+from borrowd.models.errors import ConfigError, InputError
+from borrowd.models.priority import INTERACTIVE_PRIORITY
 
 log = structlog.get_logger(__name__)
 

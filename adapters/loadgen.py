@@ -20,10 +20,9 @@ from typing import Any
 
 import aiohttp
 import numpy as np
-
-from models.errors import InputError
-from models.sim.trace import Lengths, Trace
-from models.sim.workload import interactive_arrivals
+from borrowd.models.errors import InputError
+from borrowd.models.sim.trace import Lengths, Trace
+from borrowd.models.sim.workload import interactive_arrivals
 
 INTERACTIVE = "interactive"
 BATCH = "batch"

@@ -14,8 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import redis
-
-from adapters.store import PoolKeys
+from borrowd.adapters.store import PoolKeys
 
 REGISTRY_KEY = "borrowd:pools"
 EPOCH_PATTERN = "borrowd:{*}:epoch"

@@ -8,12 +8,11 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import redis
-
-from adapters.ceiling import read_ceiling
-from adapters.store import BudgetStore, LeaderElection
-from models.budget import Budget
-from models.errors import StoreError
-from models.rollout import apply_ceiling
+from borrowd.adapters.ceiling import read_ceiling
+from borrowd.adapters.store import BudgetStore, LeaderElection
+from borrowd.models.budget import Budget
+from borrowd.models.errors import StoreError
+from borrowd.models.rollout import apply_ceiling
 
 T = TypeVar("T")
 

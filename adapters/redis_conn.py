@@ -22,9 +22,8 @@ import redis.asyncio.cluster
 import redis.asyncio.sentinel
 import redis.cluster
 import redis.sentinel
-
-from adapters.redact import redact_url
-from models.errors import ConfigError
+from borrowd.adapters.redact import redact_url
+from borrowd.models.errors import ConfigError
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 REDIS_URL_ENV = "BORROWD_REDIS_URL"

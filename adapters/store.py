@@ -22,10 +22,9 @@ from typing import cast
 import redis
 import redis.asyncio
 import structlog
-
-from adapters.lua import script_text
-from models.budget import MAX_RECORD_NUMBER, SCHEMA_VERSION, Budget, Mode, closed_budget
-from models.errors import BudgetRecordError, FencedError, InputError
+from borrowd.adapters.lua import script_text
+from borrowd.models.budget import MAX_RECORD_NUMBER, SCHEMA_VERSION, Budget, Mode, closed_budget
+from borrowd.models.errors import BudgetRecordError, FencedError, InputError
 
 log = structlog.get_logger(__name__)
 

@@ -47,11 +47,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.request import Request, RequestStatus
-
-from adapters.engine_budget import (
+from borrowd.adapters.engine_budget import (
     BudgetSource,
     PluginConfig,
     StepTimer,
@@ -59,7 +55,10 @@ from adapters.engine_budget import (
     batch_tokens_per_step,
     engine_share,
 )
-from models.budget import Budget
+from borrowd.models.budget import Budget
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import Request, RequestStatus
 
 HOOK = "_reserve_prefill_lookahead"
 HOOK_PARAMETERS = ("self", "request", "num_computed_tokens", "num_new_tokens")
@@ -84,7 +83,7 @@ check_vllm_hook(Scheduler)
 check_vllm_hook(AsyncScheduler)
 
 if TYPE_CHECKING:
-    from adapters.store import BudgetWatcher
+    from borrowd.adapters.store import BudgetWatcher
 
     # To the type checker the mixin is a Scheduler (its attributes and the methods it
     # extends); at run time it precedes the real scheduler class in the MRO.
@@ -128,8 +127,8 @@ class BudgetEnforcement(_SchedulerBase):
         self._batch_kv_tokens = 0  # prompt + max output of running and admitted batch
 
     def _start_watcher(self) -> BudgetSource:
-        from adapters.redis_conn import connect
-        from adapters.store import BudgetWatcher
+        from borrowd.adapters.redis_conn import connect
+        from borrowd.adapters.store import BudgetWatcher
 
         cfg = self.plugin_config
         watcher = BudgetWatcher(connect(cfg.redis_url), cfg.pool, poll_s=cfg.poll_s,

@@ -17,13 +17,13 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from controller.closed_loop import SimControllers
-from models.protocols import Election, MetricsSource, Store, TickLoop
-from models.signals import Observation, Slo
-from models.sim.policies import PolicySpec, parse_policy
-from models.sim.run import calibrate_rate_scale, load_inputs
-from models.sim.scenario import get_scenario
-from models.sim.simulation import Simulation
+from borrowd.controller.closed_loop import SimControllers
+from borrowd.models.protocols import Election, MetricsSource, Store, TickLoop
+from borrowd.models.signals import Observation, Slo
+from borrowd.models.sim.policies import PolicySpec, parse_policy
+from borrowd.models.sim.run import calibrate_rate_scale, load_inputs
+from borrowd.models.sim.scenario import get_scenario
+from borrowd.models.sim.simulation import Simulation
 
 
 @dataclass

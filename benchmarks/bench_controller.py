@@ -15,10 +15,9 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
-
-from controller.policy import ControllerConfig, build_policy
-from models.plant.model import PlantModel
-from models.signals import Observation
+from borrowd.controller.policy import ControllerConfig, build_policy
+from borrowd.models.plant.model import PlantModel
+from borrowd.models.signals import Observation
 
 PLANT = Path(__file__).resolve().parents[1] / "controller" / "plants" / "seed.json"
 

@@ -28,11 +28,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from adapters.gate import AsyncGate
-from adapters.lua import script_text
-from adapters.redis_conn import connect, connect_async
-from adapters.store import REAP_LIMIT, BudgetStore, PoolKeys
-from models.budget import SCHEMA_VERSION, Budget, Mode
+from borrowd.adapters.gate import AsyncGate
+from borrowd.adapters.lua import script_text
+from borrowd.adapters.redis_conn import connect, connect_async
+from borrowd.adapters.store import REAP_LIMIT, BudgetStore, PoolKeys
+from borrowd.models.budget import SCHEMA_VERSION, Budget, Mode
+
 from tests.support.servers import start_redis
 
 POOL = "bench"

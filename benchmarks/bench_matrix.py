@@ -38,13 +38,12 @@ from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
-
-from controller.closed_loop import SimControllers
-from models.errors import InputError
-from models.signals import Slo
-from models.sim.run import calibrate_rate_scale, run_scenario
-from models.sim.scenario import ADMISSION, ENGINE, Failure, Scenario
-from models.sim.shapes import (
+from borrowd.controller.closed_loop import SimControllers
+from borrowd.models.errors import InputError
+from borrowd.models.signals import Slo
+from borrowd.models.sim.run import calibrate_rate_scale, run_scenario
+from borrowd.models.sim.scenario import ADMISSION, ENGINE, Failure, Scenario
+from borrowd.models.sim.shapes import (
     HELD_OUT,
     SHAPES,
     SLO_MARGIN,
@@ -59,8 +58,8 @@ from models.sim.shapes import (
     warp_arrivals,
     write_jsonl,
 )
-from models.sim.trace import load_trace, resolve_trace
-from models.sim.workload import interactive_arrivals
+from borrowd.models.sim.trace import load_trace, resolve_trace
+from borrowd.models.sim.workload import interactive_arrivals
 
 ENFORCEMENTS = (ADMISSION, ENGINE)
 FIXED_SLOS = {

@@ -20,14 +20,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models.sim.profile_builtins import (
+from borrowd.models.sim.profile_builtins import (
     RECIPES,
     RECIPES_BY_NAME,
     build,
     profile_errors,
     scaling_check,
 )
-from models.sim.profiles import PROFILES, StepProfile
+from borrowd.models.sim.profiles import PROFILES, StepProfile
 
 # The hand-built profiles the fitted ones replaced (issue #2 figures, linear layers only).
 PREVIOUS = (

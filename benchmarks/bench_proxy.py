@@ -53,7 +53,7 @@ MODEL = "emulated-llama-3-8b"
 KEY = "sk-bench"
 PROMPT_TOKENS = 16  # short prompts: TTFT is the proxy's and the step's, not a long prefill
 RUN_SERVE = (
-    "import argparse, sys; from controller.cli import serve; "
+    "import argparse, sys; from borrowd.controller.cli import serve; "
     "p = argparse.ArgumentParser(); serve.register(p.add_subparsers()); "
     "a = p.parse_args(); sys.exit(a.func(a))"
 )

@@ -16,9 +16,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from controller.closed_loop import SimControllers
-from models.sim.run import calibrate_rate_scale, load_inputs, run_scenario
-from models.sim.scenario import get_scenario
+from borrowd.controller.closed_loop import SimControllers
+from borrowd.models.sim.run import calibrate_rate_scale, load_inputs, run_scenario
+from borrowd.models.sim.scenario import get_scenario
 
 DEFAULT_POLICIES = ["none", "unrestricted", "priority", "static:40000"]
 

@@ -21,12 +21,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from adapters.engine_budget import PluginConfig, StaticBudgetSource
-from models.budget import Budget, Mode
-from models.sim.engine import Engine, EngineConfig
-from models.sim.profiles import H100_LLAMA3_8B
-from models.sim.request import BATCH, INTERACTIVE, Request
-from models.sim.vllm_core import VllmEngine, require_vllm
+from borrowd.adapters.engine_budget import PluginConfig, StaticBudgetSource
+from borrowd.models.budget import Budget, Mode
+from borrowd.models.sim.engine import Engine, EngineConfig
+from borrowd.models.sim.profiles import H100_LLAMA3_8B
+from borrowd.models.sim.request import BATCH, INTERACTIVE, Request
+from borrowd.models.sim.vllm_core import VllmEngine, require_vllm
+
 from tests.support import vllm_harness as h
 
 CASES: dict[str, dict[str, Any]] = {
@@ -145,7 +146,7 @@ def speed_and_plugin(duration_s: float, seed: int) -> None:
 
 
 def _plugin_cls() -> type:
-    from adapters.vllm_plugin import BorrowdScheduler
+    from borrowd.adapters.vllm_plugin import BorrowdScheduler
 
     return BorrowdScheduler
 

@@ -46,7 +46,7 @@ class _Relay:
         if self.kind == "aiohttp":
             import aiohttp
             return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-        from adapters.proxy.upstream_http import UpstreamClient
+        from borrowd.adapters.proxy.upstream_http import UpstreamClient
         return UpstreamClient(5.0, 600.0)
 
     async def chunks(self, body: bytes) -> AsyncIterator[bytes]:
@@ -105,7 +105,7 @@ app = make_app(_Relay(os.environ.get("RELAY_CLIENT", "httpx"),
 
 
 async def _serve_http1(relay: _Relay, port: int) -> None:
-    from adapters.proxy.http1 import HttpRequest, HttpServer, Responder
+    from borrowd.adapters.proxy.http1 import HttpRequest, HttpServer, Responder
 
     async def pump(request: HttpRequest, out: Responder) -> None:
         out.start_stream(200, {"Content-Type": "text/event-stream"})

@@ -1,7 +1,7 @@
-"""`python -m controller` runs the borrowd CLI."""
+"""`python -m borrowd.controller` runs the borrowd CLI."""
 
 import sys
 
-from controller.cli import main
+from borrowd.controller.cli import main
 
 sys.exit(main())

@@ -22,8 +22,8 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from models.errors import ConfigError
-from models.signals import SLO_QUANTILE
+from borrowd.models.errors import ConfigError
+from borrowd.models.signals import SLO_QUANTILE
 
 ALLOWED_SHARE = 1.0 - SLO_QUANTILE
 

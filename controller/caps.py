@@ -14,9 +14,9 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from controller.supervisor import SupervisorDecision
-from models.budget import Budget, Mode, closed_budget
-from models.errors import ConfigError
+from borrowd.controller.supervisor import SupervisorDecision
+from borrowd.models.budget import Budget, Mode, closed_budget
+from borrowd.models.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -22,29 +22,28 @@ from pathlib import Path
 
 import numpy as np
 import structlog
-
-from controller.config import BorrowdConfig, PoolConfig, config_from_mapping, example_config
-from controller.identify import tracked_series, tracked_signal
-from controller.loop import Controller, PoolLoop
-from controller.loop_metrics import DaemonMetrics
-from controller.policy import (
+from borrowd.controller.config import BorrowdConfig, PoolConfig, config_from_mapping, example_config
+from borrowd.controller.identify import tracked_series, tracked_signal
+from borrowd.controller.loop import Controller, PoolLoop
+from borrowd.controller.loop_metrics import DaemonMetrics
+from borrowd.controller.policy import (
     LAWS,
     ControllerConfig,
     ControllerPolicy,
     Decision,
     derive_budget,
 )
-from controller.pools import build_pool_policy
-from controller.supervisor import burning
-from models.budget import Mode
-from models.errors import InputError
-from models.plant.excitation import prbs
-from models.plant.model import FitCriteria, PlantModel, identify_plant
-from models.protocols import Election, LoopFactory, MetricsSource, Store, TickLoop
-from models.signals import Observation
-from models.sim.engine import PRIORITY
-from models.sim.policies import PolicySpec
-from models.sim.scenario import ENGINE, Scenario
+from borrowd.controller.pools import build_pool_policy
+from borrowd.controller.supervisor import burning
+from borrowd.models.budget import Mode
+from borrowd.models.errors import InputError
+from borrowd.models.plant.excitation import prbs
+from borrowd.models.plant.model import FitCriteria, PlantModel, identify_plant
+from borrowd.models.protocols import Election, LoopFactory, MetricsSource, Store, TickLoop
+from borrowd.models.signals import Observation
+from borrowd.models.sim.engine import PRIORITY
+from borrowd.models.sim.policies import PolicySpec
+from borrowd.models.sim.scenario import ENGINE, Scenario
 
 PLANTS_DIR = Path(__file__).parent / "plants"
 # Under engine enforcement the per-step limit keeps batch chunks short, so the fleet runs at
@@ -238,8 +237,8 @@ class ExcitationPolicy:
 
 def run_experiment(scenario: Scenario, experiment: Experiment) -> ExcitationPolicy:
     """Run the excitation on the simulator (interactive load as in the scenario, no burst)."""
-    from models.sim.run import calibrate_rate_scale, load_inputs
-    from models.sim.simulation import Simulation
+    from borrowd.models.sim.run import calibrate_rate_scale, load_inputs
+    from borrowd.models.sim.simulation import Simulation
 
     pool = default_sim_pool("pi", scenario)
     config = pool.controller

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from controller.policy import ControllerConfig
-from models.config_loader import build_dataclass, load_toml, meta
-from models.errors import ConfigError
+from borrowd.controller.policy import ControllerConfig
+from borrowd.models.config_loader import build_dataclass, load_toml, meta
+from borrowd.models.errors import ConfigError
 
 ENV_PREFIX = "BORROWD_"
 ENV_SECTIONS = ("daemon", "redis", "prometheus")

@@ -23,11 +23,10 @@ from apscheduler.events import (
     JobExecutionEvent,
 )
 from apscheduler.schedulers.background import BackgroundScheduler
-
-from controller.loop import PoolLoop
-from controller.loop_metrics import DaemonMetrics
-from controller.sdnotify import Notifier
-from models.protocols import Clock
+from borrowd.controller.loop import PoolLoop
+from borrowd.controller.loop_metrics import DaemonMetrics
+from borrowd.controller.sdnotify import Notifier
+from borrowd.models.protocols import Clock
 
 
 class WallClock:

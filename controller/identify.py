@@ -14,13 +14,12 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
-
-from controller.burn import BurnWindow
-from controller.laws.smoothing import smooth_step
-from controller.policy import ControllerConfig
-from models.errors import InputError
-from models.plant.model import SIGNAL_BURN, SIGNAL_P95
-from models.signals import Observation
+from borrowd.controller.burn import BurnWindow
+from borrowd.controller.laws.smoothing import smooth_step
+from borrowd.controller.policy import ControllerConfig
+from borrowd.models.errors import InputError
+from borrowd.models.plant.model import SIGNAL_BURN, SIGNAL_P95
+from borrowd.models.signals import Observation
 
 OUTPUT_NAMES = ("ttft", "itl")
 

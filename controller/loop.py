@@ -17,12 +17,11 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import structlog
-
-from controller.loop_metrics import FOLLOWER, LEADER, OBSERVED_SIGNALS, DaemonMetrics
-from models.budget import Budget, Mode
-from models.errors import FencedError, StoreError
-from models.protocols import Election, MetricsSource, Store
-from models.signals import Observation
+from borrowd.controller.loop_metrics import FOLLOWER, LEADER, OBSERVED_SIGNALS, DaemonMetrics
+from borrowd.models.budget import Budget, Mode
+from borrowd.models.errors import FencedError, StoreError
+from borrowd.models.protocols import Election, MetricsSource, Store
+from borrowd.models.signals import Observation
 
 
 class ModeEventLike(Protocol):

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 from dataclasses import fields
 
+from borrowd.models.signals import Observation
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
-from models.signals import Observation
 
 LEADER = "leader"
 FOLLOWER = "follower"

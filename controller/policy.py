@@ -21,28 +21,28 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 
-from controller.burn import BurnConfig
-from controller.caps import Capped, CapsConfig, derive_budget
-from controller.laws.base import OUTPUTS, Law, LawSettings, LawTick
-from controller.laws.feedforward import FeedForwardConfig
-from controller.laws.mpc import MpcConfig
-from controller.laws.pi import PiConfig
-from controller.laws.registry import build_law, law_names
-from controller.laws.slack import SlackConfig
-from controller.laws.smoothing import Smoothed, SmoothingConfig, smooth_step
-from controller.laws.validation import UseValidated, ValidationConfig
-from controller.laws.wrappers import FeedForward, GainScheduled, ScheduleConfig
-from controller.supervisor import (
+from borrowd.controller.burn import BurnConfig
+from borrowd.controller.caps import Capped, CapsConfig, derive_budget
+from borrowd.controller.laws.base import OUTPUTS, Law, LawSettings, LawTick
+from borrowd.controller.laws.feedforward import FeedForwardConfig
+from borrowd.controller.laws.mpc import MpcConfig
+from borrowd.controller.laws.pi import PiConfig
+from borrowd.controller.laws.registry import build_law, law_names
+from borrowd.controller.laws.slack import SlackConfig
+from borrowd.controller.laws.smoothing import Smoothed, SmoothingConfig, smooth_step
+from borrowd.controller.laws.validation import UseValidated, ValidationConfig
+from borrowd.controller.laws.wrappers import FeedForward, GainScheduled, ScheduleConfig
+from borrowd.controller.supervisor import (
     NO_BURNS,
     ModeEvent,
     SupervisorConfig,
     SupervisorState,
     supervise,
 )
-from models.budget import Budget
-from models.errors import ConfigError
-from models.plant.model import PlantModel
-from models.signals import Observation, Slo
+from borrowd.models.budget import Budget
+from borrowd.models.errors import ConfigError
+from borrowd.models.plant.model import PlantModel
+from borrowd.models.signals import Observation, Slo
 
 LAWS = law_names()
 

@@ -12,11 +12,10 @@ import math
 from dataclasses import dataclass
 
 import requests
+from borrowd.controller.prom_source import PromClient, check_pool_name, check_window
+from borrowd.models.errors import InputError
+from borrowd.models.rollout import StepFigures
 from prometheus_api_client import PrometheusApiClientException
-
-from controller.prom_source import PromClient, check_pool_name, check_window
-from models.errors import InputError
-from models.rollout import StepFigures
 
 
 def instant(client: PromClient, expr: str) -> float:

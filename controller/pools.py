@@ -9,10 +9,9 @@ import math
 from pathlib import Path
 
 import structlog
-
-from controller.config import BorrowdConfig, PoolConfig
-from controller.policy import ControllerConfig, ControllerPolicy, build_policy
-from models.plant.model import PlantModel
+from borrowd.controller.config import BorrowdConfig, PoolConfig
+from borrowd.controller.policy import ControllerConfig, ControllerPolicy, build_policy
+from borrowd.models.plant.model import PlantModel
 
 # The SLO-burn recording rules (deploy/prometheus/borrowd.rules.yml) count the share of
 # interactive samples above these bucket bounds.

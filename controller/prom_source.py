@@ -32,10 +32,9 @@ from urllib.parse import unquote, urlencode, urlsplit
 
 import numpy as np
 import requests
+from borrowd.models.errors import InputError
+from borrowd.models.signals import Observation
 from prometheus_api_client import PrometheusApiClientException
-
-from models.errors import InputError
-from models.signals import Observation
 
 POOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 WINDOW = re.compile(r"^[1-9][0-9]*(ms|s|m|h)$")

@@ -15,15 +15,14 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
-from matplotlib.figure import Figure
-
-from models.report import (
+from borrowd.models.report import (
     LoadBin,
     Report,
     Verdict,
     borrowing,
     interactive_rate_tokens_per_s,
 )
+from matplotlib.figure import Figure
 
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 24px; color: #1d1d1f; max-width: 1200px; }

@@ -31,10 +31,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from controller.burn import BurnReading
-from models.budget import Mode
-from models.errors import ConfigError
-from models.signals import Observation, Slo
+from borrowd.controller.burn import BurnReading
+from borrowd.models.budget import Mode
+from borrowd.models.errors import ConfigError
+from borrowd.models.signals import Observation, Slo
 
 REQUIRED_SIGNALS = (
     "ttft_p95_s",

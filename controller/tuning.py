@@ -16,9 +16,8 @@ from dataclasses import dataclass
 
 import control
 import numpy as np
-
-from controller.laws.pi import PiGains, pi_gains
-from models.plant.model import PlantModel
+from borrowd.controller.laws.pi import PiGains, pi_gains
+from borrowd.models.plant.model import PlantModel
 
 PADE_ORDER = 5
 

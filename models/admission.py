@@ -31,8 +31,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from models.budget import Budget, Mode, closed_budget
-from models.errors import FencedError, InputError
+from borrowd.models.budget import Budget, Mode, closed_budget
+from borrowd.models.errors import FencedError, InputError
 
 REAP_LIMIT = 256  # expired leases dropped per call (adapters.store.REAP_LIMIT)
 MAX_EPOCH_JUMP = 1_000_000  # furthest a publish may move the epoch counter (publish.lua)

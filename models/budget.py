@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from enum import StrEnum
 
-from models.errors import BudgetRecordError
+from borrowd.models.errors import BudgetRecordError
 
 SCHEMA_VERSION = 1
 # A stored number is plain decimal (no nan, inf, hex, spaces or underscores), finite and at

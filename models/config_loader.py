@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from models.errors import BorrowdError, ConfigError
+from borrowd.models.errors import BorrowdError, ConfigError
 
 # Checks a field's metadata may carry, besides `unit` and `help`.
 CHECKS = ("min", "max", "gt", "lt", "choices", "pattern", "pattern_help", "allow_empty",

@@ -21,7 +21,7 @@ import math
 from collections import deque
 from typing import Protocol
 
-from models.budget import Budget
+from borrowd.models.budget import Budget
 
 DEFAULT_MIN_BATCH_TOKENS_PER_STEP = 16  # one KV block of the default block size
 INITIAL_STEP_S = 0.03  # until a step was timed: a decode step of an 8B model on an H100

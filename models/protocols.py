@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-from models.budget import Budget
-from models.signals import Observation
+from borrowd.models.budget import Budget
+from borrowd.models.signals import Observation
 
 
 class Clock(Protocol):

@@ -16,9 +16,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from enum import StrEnum
 
-from models.batch.figures import CostModel
-from models.errors import InputError
-from models.signals import Slo
+from borrowd.models.batch.figures import CostModel
+from borrowd.models.errors import InputError
+from borrowd.models.signals import Slo
 
 
 @dataclass(frozen=True)

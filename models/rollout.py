@@ -19,9 +19,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from itertools import pairwise
 
-from models.budget import Budget, Mode, closed_budget
-from models.errors import InputError
-from models.signals import Slo
+from borrowd.models.budget import Budget, Mode, closed_budget
+from borrowd.models.errors import InputError
+from borrowd.models.signals import Slo
 
 Z_95 = 1.959964
 

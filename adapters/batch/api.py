@@ -17,10 +17,9 @@ import logging
 
 import redis
 from aiohttp import BodyPartReader, web
+from borrowd.adapters.batch.jobs import ApiError, BatchService, file_object
+from borrowd.adapters.batch.metrics import BatchCollector
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-
-from adapters.batch.jobs import ApiError, BatchService, file_object
-from adapters.batch.metrics import BatchCollector
 
 log = logging.getLogger(__name__)
 

@@ -26,9 +26,9 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from models.batch.figures import CostModel
-from models.batch.input import InputLimits
-from models.errors import ConfigError
+from borrowd.models.batch.figures import CostModel
+from borrowd.models.batch.input import InputLimits
+from borrowd.models.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
-from models.errors import InputError
+from borrowd.models.errors import InputError
 
 _ID = re.compile(r"^file-[A-Za-z0-9_-]{1,80}$")
 

@@ -22,19 +22,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from adapters.batch.config import BatchConfig
-from adapters.batch.files import FileDir
-from adapters.batch.state import COUNTERS, BatchStore
-from models.batch.figures import carried_rate_per_s, per_hour, project_lateness
-from models.batch.input import SUPPORTED_URLS, BatchInputError, parse_input
-from models.batch.openai_format import (
+from borrowd.adapters.batch.config import BatchConfig
+from borrowd.adapters.batch.files import FileDir
+from borrowd.adapters.batch.state import COUNTERS, BatchStore
+from borrowd.models.batch.figures import carried_rate_per_s, per_hour, project_lateness
+from borrowd.models.batch.input import SUPPORTED_URLS, BatchInputError, parse_input
+from borrowd.models.batch.openai_format import (
     TERMINAL,
     Status,
     batch_error,
     completion_window_s,
     error_line,
 )
-from models.errors import InputError
+from borrowd.models.errors import InputError
 
 log = logging.getLogger(__name__)
 

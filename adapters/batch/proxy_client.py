@@ -19,10 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-
-from adapters.proxy.openai import estimate_text_tokens
-from models.batch.input import CHAT_URL
-from models.batch.resume import PREEMPTED, ChunkAccumulator, Segment
+from borrowd.adapters.proxy.openai import estimate_text_tokens
+from borrowd.models.batch.input import CHAT_URL
+from borrowd.models.batch.resume import PREEMPTED, ChunkAccumulator, Segment
 
 RESUMABLE_HEADER = "X-Borrowd-Resumable"
 """Request header opting in to the proxy's resumable `preempted` ending."""

@@ -24,9 +24,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import redis.asyncio
-
-from models.batch.openai_format import STATUS_TIME_FIELD, TRANSITIONS, Status
-from models.batch.schedule import FairState
+from borrowd.models.batch.openai_format import STATUS_TIME_FIELD, TRANSITIONS, Status
+from borrowd.models.batch.schedule import FairState
 
 PREFIX = "borrowd:batch"
 GROUP = "workers"

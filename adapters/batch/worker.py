@@ -25,19 +25,18 @@ from typing import Any
 
 import aiohttp
 import redis
-
-from adapters.batch.config import BatchConfig
-from adapters.batch.proxy_client import Attempt, attempt, prompt_estimate
-from adapters.batch.state import BatchStore
-from models.batch.openai_format import Status, error_line, output_line
-from models.batch.resume import (
+from borrowd.adapters.batch.config import BatchConfig
+from borrowd.adapters.batch.proxy_client import Attempt, attempt, prompt_estimate
+from borrowd.adapters.batch.state import BatchStore
+from borrowd.models.batch.openai_format import Status, error_line, output_line
+from borrowd.models.batch.resume import (
     ChunkAccumulator,
     Segment,
     merge_segments,
     remaining_tokens,
     resume_body,
 )
-from models.batch.schedule import JobRef, dispatch_cost_tokens, edf_order, pick_tenant
+from borrowd.models.batch.schedule import JobRef, dispatch_cost_tokens, edf_order, pick_tenant
 
 log = logging.getLogger(__name__)
 

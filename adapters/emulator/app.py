@@ -28,20 +28,19 @@ import uuid
 from dataclasses import dataclass
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-
-from adapters.emulator.metrics import VllmMetrics
-from adapters.emulator.runtime import FINISHED, RealTimeEngine, Tracked
-from adapters.proxy.openai import (
+from borrowd.adapters.emulator.metrics import VllmMetrics
+from borrowd.adapters.emulator.runtime import FINISHED, RealTimeEngine, Tracked
+from borrowd.adapters.proxy.openai import (
     CompletionRequest,
     Endpoint,
     FieldError,
     error_body,
     parse_completion_request,
 )
-from models.errors import ConfigError
-from models.sim.engine import PRIORITY, Engine, EngineConfig
-from models.sim.profiles import get_profile
+from borrowd.models.errors import ConfigError
+from borrowd.models.sim.engine import PRIORITY, Engine, EngineConfig
+from borrowd.models.sim.profiles import get_profile
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "and", "runs",
          "far", "away", "into", "green", "hills")

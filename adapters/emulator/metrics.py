@@ -7,14 +7,13 @@ the TTFT, inter-token and request latency buckets of `adapters.proxy.buckets`.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
-from adapters.proxy.buckets import (
+from borrowd.adapters.proxy.buckets import (
     ITL_BUCKETS_S,
     REQUEST_LATENCY_BUCKETS_S,
     TTFT_BUCKETS_S,
     build_1_2_5_buckets,
 )
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 FINISH_REASONS = ("stop", "length", "abort")
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)

@@ -13,9 +13,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from adapters.emulator.metrics import VllmMetrics
-from models.sim.engine import Engine
-from models.sim.request import BATCH, INTERACTIVE, Request
+from borrowd.adapters.emulator.metrics import VllmMetrics
+from borrowd.models.sim.engine import Engine
+from borrowd.models.sim.request import BATCH, INTERACTIVE, Request
 
 FINISHED = None
 """Queue item that ends a request's token stream (its max_tokens were generated)."""

@@ -16,8 +16,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import redis
-
-from adapters.proxy.config import AdmissionConfig, AdmissionMode
+from borrowd.adapters.proxy.config import AdmissionConfig, AdmissionMode
 
 log = logging.getLogger(__name__)
 

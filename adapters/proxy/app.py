@@ -36,13 +36,11 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-
-from adapters.proxy.admission import BatchAdmitter, GateLike
-from adapters.proxy.config import ProxyConfig, RequestClass, Tenant
-from adapters.proxy.http1 import HttpRequest, HttpServer, Responder, ServerLimits
-from adapters.proxy.metrics import ProxyMetrics
-from adapters.proxy.openai import (
+from borrowd.adapters.proxy.admission import BatchAdmitter, GateLike
+from borrowd.adapters.proxy.config import ProxyConfig, RequestClass, Tenant
+from borrowd.adapters.proxy.http1 import HttpRequest, HttpServer, Responder, ServerLimits
+from borrowd.adapters.proxy.metrics import ProxyMetrics
+from borrowd.adapters.proxy.openai import (
     CompletionRequest,
     Endpoint,
     FieldError,
@@ -50,12 +48,23 @@ from adapters.proxy.openai import (
     parse_completion_request,
     rewrite_body,
 )
-from adapters.proxy.relay import Exchange, Relay
-from adapters.proxy.revocation import BatchRegistry, BatchStream, renew_leases, watch_revocations
-from adapters.proxy.sse import StreamTally, error_event
-from adapters.proxy.tokens import PromptCounter, load_tokenizer, trued_up_output_tokens, utf8_bytes
-from adapters.proxy.upstream_http import UpstreamClient, UpstreamError, UpstreamResponse
-from adapters.proxy.upstreams import Upstream, UpstreamPool
+from borrowd.adapters.proxy.relay import Exchange, Relay
+from borrowd.adapters.proxy.revocation import (
+    BatchRegistry,
+    BatchStream,
+    renew_leases,
+    watch_revocations,
+)
+from borrowd.adapters.proxy.sse import StreamTally, error_event
+from borrowd.adapters.proxy.tokens import (
+    PromptCounter,
+    load_tokenizer,
+    trued_up_output_tokens,
+    utf8_bytes,
+)
+from borrowd.adapters.proxy.upstream_http import UpstreamClient, UpstreamError, UpstreamResponse
+from borrowd.adapters.proxy.upstreams import Upstream, UpstreamPool
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from types import MappingProxyType
 from typing import Any
 from urllib.parse import urlsplit
 
-from models.config_loader import (
+from borrowd.models.config_loader import (
     build_dataclass,
     construct,
     field_values,
@@ -25,8 +25,8 @@ from models.config_loader import (
     meta,
     reject_unknown,
 )
-from models.errors import ConfigError
-from models.priority import BATCH_PRIORITY, INTERACTIVE_PRIORITY
+from borrowd.models.errors import ConfigError
+from borrowd.models.priority import BATCH_PRIORITY, INTERACTIVE_PRIORITY
 
 
 class RequestClass(StrEnum):

@@ -32,8 +32,7 @@ from http import HTTPStatus
 from typing import Any, cast
 
 import httptools
-
-from adapters.proxy.openai import error_body
+from borrowd.adapters.proxy.openai import error_body
 
 log = logging.getLogger(__name__)
 

@@ -10,12 +10,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 
+from borrowd.adapters.proxy.buckets import ITL_BUCKETS_S, REQUEST_LATENCY_BUCKETS_S, TTFT_BUCKETS_S
+from borrowd.adapters.proxy.config import RequestClass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
-
-from adapters.proxy.buckets import ITL_BUCKETS_S, REQUEST_LATENCY_BUCKETS_S, TTFT_BUCKETS_S
-from adapters.proxy.config import RequestClass
 
 OUTCOMES = ("success", "error", "rejected", "revoked", "truncated", "client_disconnect",
             "timeout")

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from models.errors import InputError
+from borrowd.models.errors import InputError
 
 PROMPT_TOKENS_FIELD = "borrowd_prompt_tokens"
 """Extension field: the exact prompt length in tokens, for load generators."""

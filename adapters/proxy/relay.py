@@ -10,10 +10,10 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from adapters.proxy.http1 import Responder
-from adapters.proxy.metrics import ProxyMetrics
-from adapters.proxy.openai import CompletionRequest
-from adapters.proxy.sse import StreamTally, event_payload, strip_usage, take_complete
+from borrowd.adapters.proxy.http1 import Responder
+from borrowd.adapters.proxy.metrics import ProxyMetrics
+from borrowd.adapters.proxy.openai import CompletionRequest
+from borrowd.adapters.proxy.sse import StreamTally, event_payload, strip_usage, take_complete
 
 
 @dataclass(slots=True)

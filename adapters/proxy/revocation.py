@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from adapters.proxy.admission import GATE_ERRORS, GateLike
+from borrowd.adapters.proxy.admission import GATE_ERRORS, GateLike
 
 log = logging.getLogger(__name__)
 

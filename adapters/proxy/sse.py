@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from adapters.proxy.openai import Endpoint, error_body
+from borrowd.adapters.proxy.openai import Endpoint, error_body
 
 DONE = b"[DONE]"
 PREEMPTED = "preempted"

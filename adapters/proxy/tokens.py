@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from adapters.proxy.openai import CompletionRequest, Endpoint, completion_prompts
-from models.errors import ConfigError
+from borrowd.adapters.proxy.openai import CompletionRequest, Endpoint, completion_prompts
+from borrowd.models.errors import ConfigError
 
 MESSAGE_OVERHEAD_TOKENS = 4
 """Chat template tokens per message (role header and separators)."""

@@ -25,8 +25,7 @@ from collections.abc import Callable, Mapping
 from urllib.parse import urlsplit
 
 import httptools
-
-from adapters.proxy.http1 import no_delay
+from borrowd.adapters.proxy.http1 import no_delay
 
 BodySink = Callable[[bytes], None]
 EndSink = Callable[[str], None]

@@ -13,25 +13,25 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from adapters.redact import redact
-from controller.cli.logs import configure_logging
-from models.errors import BorrowdError
+from borrowd.adapters.redact import redact
+from borrowd.controller.cli.logs import configure_logging
+from borrowd.models.errors import BorrowdError
 
 # Each module defines `register(subparsers: argparse._SubParsersAction) -> None`, adding one
 # or more subcommands whose parsers set `func(args) -> int`.
 COMMAND_MODULES: tuple[str, ...] = (
-    "controller.cli.sim",
-    "controller.cli.scenario",
-    "controller.cli.profile",
-    "controller.cli.ops",
-    "controller.cli.daemon",
-    "controller.cli.loadgen",
-    "controller.cli.serve",
-    "controller.cli.control",
-    "controller.cli.batch",
-    "controller.cli.report",
-    "controller.cli.drill",
-    "controller.cli.rollout",
+    "borrowd.controller.cli.sim",
+    "borrowd.controller.cli.scenario",
+    "borrowd.controller.cli.profile",
+    "borrowd.controller.cli.ops",
+    "borrowd.controller.cli.daemon",
+    "borrowd.controller.cli.loadgen",
+    "borrowd.controller.cli.serve",
+    "borrowd.controller.cli.control",
+    "borrowd.controller.cli.batch",
+    "borrowd.controller.cli.report",
+    "borrowd.controller.cli.drill",
+    "borrowd.controller.cli.rollout",
 )
 
 

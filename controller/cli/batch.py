@@ -20,8 +20,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from models.batch.input import SUPPORTED_URLS
-from models.errors import BorrowdError, InputError
+from borrowd.models.batch.input import SUPPORTED_URLS
+from borrowd.models.errors import BorrowdError, InputError
 
 DEFAULT_URL = "http://127.0.0.1:8200"
 
@@ -84,12 +84,12 @@ def _until_signalled(stop: asyncio.Event) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """`borrowd batch serve --config FILE`."""
-    from adapters.batch.api import BatchApi, serve
-    from adapters.batch.config import load_batch_config
-    from adapters.batch.files import FileDir
-    from adapters.batch.jobs import BatchService
-    from adapters.batch.state import BatchStore
-    from adapters.redis_conn import connect_async, redact_url, resolve_redis_url
+    from borrowd.adapters.batch.api import BatchApi, serve
+    from borrowd.adapters.batch.config import load_batch_config
+    from borrowd.adapters.batch.files import FileDir
+    from borrowd.adapters.batch.jobs import BatchService
+    from borrowd.adapters.batch.state import BatchStore
+    from borrowd.adapters.redis_conn import connect_async, redact_url, resolve_redis_url
 
     config = load_batch_config(args.config)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
@@ -120,10 +120,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
     """`borrowd batch worker --config FILE`."""
     import dataclasses
 
-    from adapters.batch.config import load_batch_config
-    from adapters.batch.state import BatchStore
-    from adapters.batch.worker import Worker
-    from adapters.redis_conn import connect_async, redact_url, resolve_redis_url
+    from borrowd.adapters.batch.config import load_batch_config
+    from borrowd.adapters.batch.state import BatchStore
+    from borrowd.adapters.batch.worker import Worker
+    from borrowd.adapters.redis_conn import connect_async, redact_url, resolve_redis_url
 
     config = load_batch_config(args.config)
     if args.concurrency is not None:

@@ -15,14 +15,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
-
-from adapters.redact import redact_url
-from controller.policy import ControllerConfig, smooth_step
-from models.errors import InputError
-from models.plant.model import FitCriteria, PlantModel, identify_plant
+from borrowd.adapters.redact import redact_url
+from borrowd.controller.policy import ControllerConfig, smooth_step
+from borrowd.models.errors import InputError
+from borrowd.models.plant.model import FitCriteria, PlantModel, identify_plant
 
 if TYPE_CHECKING:
-    from controller.tuning import LoopReport
+    from borrowd.controller.tuning import LoopReport
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -87,8 +86,8 @@ def run_identify(args: argparse.Namespace) -> int:
     """Identify from the simulator or from Prometheus; write the plant."""
     criteria = FitCriteria(min_r2=args.min_r2)
     if args.scenario:
-        from controller.closed_loop import Experiment, identify_on_simulator
-        from models.sim.scenario import get_scenario
+        from borrowd.controller.closed_loop import Experiment, identify_on_simulator
+        from borrowd.models.sim.scenario import get_scenario
 
         experiment = Experiment(
             u_low_tokens_per_s=args.u_low,
@@ -117,7 +116,7 @@ def run_identify(args: argparse.Namespace) -> int:
 
 def identify_from_prometheus(args: argparse.Namespace, criteria: FitCriteria) -> PlantModel:
     """Fit from recorded range series of the pool (budget, p95s, interactive token rate)."""
-    from controller.prom_source import connect_prometheus, identification_series
+    from borrowd.controller.prom_source import connect_prometheus, identification_series
 
     if not args.pool:
         raise InputError("--pool is required with --prometheus")
@@ -153,7 +152,7 @@ def identify_from_prometheus(args: argparse.Namespace, criteria: FitCriteria) ->
 
 def run_tune(args: argparse.Namespace) -> int:
     """Print gains, margins and step figures per output; plot and write config on request."""
-    from controller.tuning import analyse_loop
+    from borrowd.controller.tuning import analyse_loop
 
     plant = PlantModel.load(args.plant)
     if args.tc < 0 or args.tick <= 0:

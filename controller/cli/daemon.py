@@ -17,21 +17,20 @@ from wsgiref.simple_server import WSGIServer
 
 import redis
 import structlog
+from borrowd.adapters.pool_registry import register_pools
+from borrowd.adapters.pool_store import RedisPoolElection, RedisPoolStore
+from borrowd.adapters.redis_conn import connect, redact_url
+from borrowd.adapters.store import BudgetStore, LeaderElection
+from borrowd.controller.cli.logs import configure_logging
+from borrowd.controller.config import BorrowdConfig, example_config, load_config
+from borrowd.controller.daemon import Daemon
+from borrowd.controller.loop import PoolLoop
+from borrowd.controller.loop_metrics import DaemonMetrics
+from borrowd.controller.pools import build_policies
+from borrowd.controller.prom_source import PrometheusSource, connect_prometheus
+from borrowd.controller.sdnotify import Notifier
+from borrowd.models.errors import ConfigError
 from prometheus_client import CollectorRegistry, start_http_server
-
-from adapters.pool_registry import register_pools
-from adapters.pool_store import RedisPoolElection, RedisPoolStore
-from adapters.redis_conn import connect, redact_url
-from adapters.store import BudgetStore, LeaderElection
-from controller.cli.logs import configure_logging
-from controller.config import BorrowdConfig, example_config, load_config
-from controller.daemon import Daemon
-from controller.loop import PoolLoop
-from controller.loop_metrics import DaemonMetrics
-from controller.pools import build_policies
-from controller.prom_source import PrometheusSource, connect_prometheus
-from controller.sdnotify import Notifier
-from models.errors import ConfigError
 
 QUERY_ERROR_LOG_PERIOD_S = 60.0
 

@@ -40,19 +40,18 @@ from pathlib import Path
 
 import numpy as np
 import redis
-
-from adapters.ceiling import drill_key, write_record
-from adapters.gate import Gate
-from adapters.loadgen import LoadgenConfig, run_load, summarize
-from adapters.redis_conn import connect, redact_url, resolve_redis_url
-from adapters.store import BudgetStore
-from controller.cli.ops import require_known_pool
-from controller.cli.report import DEFAULT_PROMETHEUS, PROMETHEUS_ENV
-from controller.pool_figures import instant, recorded_p95s
-from controller.prom_source import PromClient, check_window, connect_prometheus
-from models.errors import BorrowdError, InputError
-from models.report import json_safe
-from models.sim.trace import Lengths, Trace, load_trace, resolve_trace
+from borrowd.adapters.ceiling import drill_key, write_record
+from borrowd.adapters.gate import Gate
+from borrowd.adapters.loadgen import LoadgenConfig, run_load, summarize
+from borrowd.adapters.redis_conn import connect, redact_url, resolve_redis_url
+from borrowd.adapters.store import BudgetStore
+from borrowd.controller.cli.ops import require_known_pool
+from borrowd.controller.cli.report import DEFAULT_PROMETHEUS, PROMETHEUS_ENV
+from borrowd.controller.pool_figures import instant, recorded_p95s
+from borrowd.controller.prom_source import PromClient, check_window, connect_prometheus
+from borrowd.models.errors import BorrowdError, InputError
+from borrowd.models.report import json_safe
+from borrowd.models.sim.trace import Lengths, Trace, load_trace, resolve_trace
 
 POLL_GATE_S = 0.02
 POLL_PROMETHEUS_S = 0.25

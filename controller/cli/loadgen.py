@@ -8,9 +8,9 @@ import json
 import sys
 from pathlib import Path
 
-from adapters.loadgen import LoadgenConfig, failures, parse_burst, run_load, summarize
-from models.errors import InputError
-from models.sim.trace import load_lengths, load_trace, resolve_trace
+from borrowd.adapters.loadgen import LoadgenConfig, failures, parse_burst, run_load, summarize
+from borrowd.models.errors import InputError
+from borrowd.models.sim.trace import load_lengths, load_trace, resolve_trace
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

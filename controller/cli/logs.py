@@ -13,8 +13,7 @@ import sys
 from typing import TextIO, cast
 
 import structlog
-
-from adapters.redact import redact_event
+from borrowd.adapters.redact import redact_event
 
 LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
           "error": logging.ERROR}

@@ -14,14 +14,13 @@ from collections.abc import Iterator
 from typing import cast
 
 import redis
-
-from adapters import gate_http
-from adapters.gate import BATCH_PRIORITY, DEFAULT_LEASE_MS, Gate
-from adapters.pool_registry import PoolRegistry
-from adapters.redis_conn import connect, redact_url, resolve_redis_url
-from adapters.store import BudgetStore, PoolKeys
-from models.config_loader import load_toml
-from models.errors import BorrowdError, ConfigError, InputError
+from borrowd.adapters import gate_http
+from borrowd.adapters.gate import BATCH_PRIORITY, DEFAULT_LEASE_MS, Gate
+from borrowd.adapters.pool_registry import PoolRegistry
+from borrowd.adapters.redis_conn import connect, redact_url, resolve_redis_url
+from borrowd.adapters.store import BudgetStore, PoolKeys
+from borrowd.models.config_loader import load_toml
+from borrowd.models.errors import BorrowdError, ConfigError, InputError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

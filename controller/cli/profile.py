@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from models.sim.profile_fit import GPUS, fit_file, profile_toml
-from models.sim.profiles import PROFILES, PROFILES_DIR, get_profile
+from borrowd.models.sim.profile_fit import GPUS, fit_file, profile_toml
+from borrowd.models.sim.profiles import PROFILES, PROFILES_DIR, get_profile
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

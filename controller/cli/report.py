@@ -18,14 +18,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import requests
+from borrowd.controller.cli.control import parse_time_s
+from borrowd.controller.prom_source import PromClient, check_pool_name, connect_prometheus
+from borrowd.models.batch.figures import CostModel
+from borrowd.models.errors import InputError
+from borrowd.models.report import ClassWindow, WindowSample, build_report, report_json
+from borrowd.models.signals import Slo
 from prometheus_api_client import PrometheusApiClientException
-
-from controller.cli.control import parse_time_s
-from controller.prom_source import PromClient, check_pool_name, connect_prometheus
-from models.batch.figures import CostModel
-from models.errors import InputError
-from models.report import ClassWindow, WindowSample, build_report, report_json
-from models.signals import Slo
 
 DEFAULT_PROMETHEUS = "http://127.0.0.1:9090"
 PROMETHEUS_ENV = "BORROWD_PROMETHEUS_URL"
@@ -215,7 +214,7 @@ def _check_args(args: argparse.Namespace) -> tuple[float, float]:
 
 def cmd_report(args: argparse.Namespace) -> int:
     """Query Prometheus, compute the report, write the HTML (and JSON), print a summary."""
-    from controller.report_render import render_html
+    from borrowd.controller.report_render import render_html
 
     start_s, end_s = _check_args(args)
     url = args.prometheus or os.environ.get(PROMETHEUS_ENV) or DEFAULT_PROMETHEUS

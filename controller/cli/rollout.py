@@ -21,16 +21,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import redis
-
-from adapters.ceiling import read_ceiling, rollout_key, write_ceiling, write_record
-from adapters.redis_conn import connect, redact_url, resolve_redis_url
-from controller.cli.ops import require_known_pool
-from controller.cli.report import DEFAULT_PROMETHEUS, PROMETHEUS_ENV
-from controller.pool_figures import figures_over, instant, recorded_p95s, sample_rates
-from controller.prom_source import PromClient, check_window, connect_prometheus
-from models.errors import BorrowdError, InputError
-from models.report import json_safe
-from models.rollout import (
+from borrowd.adapters.ceiling import read_ceiling, rollout_key, write_ceiling, write_record
+from borrowd.adapters.redis_conn import connect, redact_url, resolve_redis_url
+from borrowd.controller.cli.ops import require_known_pool
+from borrowd.controller.cli.report import DEFAULT_PROMETHEUS, PROMETHEUS_ENV
+from borrowd.controller.pool_figures import figures_over, instant, recorded_p95s, sample_rates
+from borrowd.controller.prom_source import PromClient, check_window, connect_prometheus
+from borrowd.models.errors import BorrowdError, InputError
+from borrowd.models.report import json_safe
+from borrowd.models.rollout import (
     HoldPlan,
     StepFigures,
     Tolerance,
@@ -39,7 +38,7 @@ from models.rollout import (
     plan_hold,
     step_schedule,
 )
-from models.signals import Slo
+from borrowd.models.signals import Slo
 
 Say = Callable[[str], None]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from models.sim.scenario import builtin_scenarios, example_text, load_scenario_file
+from borrowd.models.sim.scenario import builtin_scenarios, example_text, load_scenario_file
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -13,15 +13,14 @@ import logging
 import signal
 
 import uvloop
-
-from adapters.emulator.app import EmulatorConfig, EmulatorServer
-from adapters.emulator.app import serve as serve_emulator
-from adapters.proxy.app import ProxyServer
-from adapters.proxy.app import serve as serve_proxy
-from adapters.proxy.config import describe_fields, load_config
-from models.errors import InputError
-from models.sim.engine import POLICIES
-from models.sim.profiles import DEFAULT_PROFILE, PROFILES, get_profile
+from borrowd.adapters.emulator.app import EmulatorConfig, EmulatorServer
+from borrowd.adapters.emulator.app import serve as serve_emulator
+from borrowd.adapters.proxy.app import ProxyServer
+from borrowd.adapters.proxy.app import serve as serve_proxy
+from borrowd.adapters.proxy.config import describe_fields, load_config
+from borrowd.models.errors import InputError
+from borrowd.models.sim.engine import POLICIES
+from borrowd.models.sim.profiles import DEFAULT_PROFILE, PROFILES, get_profile
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -80,8 +79,8 @@ async def _until_signalled() -> None:
 
 def run_proxy(args: argparse.Namespace) -> int:
     """`borrowd proxy --config FILE`."""
-    from adapters.gate import AsyncGate
-    from adapters.redis_conn import connect_async, redact_url, resolve_redis_url
+    from borrowd.adapters.gate import AsyncGate
+    from borrowd.adapters.redis_conn import connect_async, redact_url, resolve_redis_url
 
     config = load_config(args.config)
     url = resolve_redis_url(config.redis_url)

@@ -11,14 +11,14 @@ import argparse
 import json
 from pathlib import Path
 
-from controller.closed_loop import SimControllers
-from controller.config import load_config
-from models.errors import InputError
-from models.sim.bench import format_table, plot, run_bench
-from models.sim.cores import DEFAULT_ENGINE, ENGINE_CORES
-from models.sim.profiles import get_profile
-from models.sim.run import run_scenario, slo_json
-from models.sim.scenario import ENFORCEMENTS, Scenario, get_scenario, with_slo
+from borrowd.controller.closed_loop import SimControllers
+from borrowd.controller.config import load_config
+from borrowd.models.errors import InputError
+from borrowd.models.sim.bench import format_table, plot, run_bench
+from borrowd.models.sim.cores import DEFAULT_ENGINE, ENGINE_CORES
+from borrowd.models.sim.profiles import get_profile
+from borrowd.models.sim.run import run_scenario, slo_json
+from borrowd.models.sim.scenario import ENFORCEMENTS, Scenario, get_scenario, with_slo
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

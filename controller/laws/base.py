@@ -15,10 +15,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
-from controller.laws.feedforward import ForecastState
-from models.errors import ConfigError
-from models.plant.model import PlantModel
-from models.signals import Observation
+from borrowd.controller.laws.feedforward import ForecastState
+from borrowd.models.errors import ConfigError
+from borrowd.models.plant.model import PlantModel
+from borrowd.models.signals import Observation
 
 OUTPUTS = ("ttft", "itl")
 NAN_PER_OUTPUT = (math.nan,) * len(OUTPUTS)

@@ -25,12 +25,11 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
+from borrowd.controller.laws.base import OUTPUTS, LawSettings, LawTick, Proposal
+from borrowd.controller.laws.feedforward import forecast
+from borrowd.models.errors import ConfigError
+from borrowd.models.plant.model import SIGNAL_P95, PlantModel
 from scipy.optimize import linprog
-
-from controller.laws.base import OUTPUTS, LawSettings, LawTick, Proposal
-from controller.laws.feedforward import forecast
-from models.errors import ConfigError
-from models.plant.model import SIGNAL_P95, PlantModel
 
 
 @dataclass(frozen=True)

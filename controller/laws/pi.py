@@ -19,9 +19,9 @@ import math
 from collections import deque
 from dataclasses import dataclass, field, replace
 
-from controller.laws.base import OUTPUTS, LawSettings, LawTick, Proposal, tracked_outputs
-from models.errors import ConfigError
-from models.plant.fopdt import FopdtFit
+from borrowd.controller.laws.base import OUTPUTS, LawSettings, LawTick, Proposal, tracked_outputs
+from borrowd.models.errors import ConfigError
+from borrowd.models.plant.fopdt import FopdtFit
 
 METHODS = ("simc", "imc")
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from controller.laws.base import Law, LawFactory, LawSettings
-from controller.laws.mpc import MpcLaw
-from controller.laws.pi import PiLaw
-from controller.laws.slack import SlackLaw
-from models.errors import ConfigError
+from borrowd.controller.laws.base import Law, LawFactory, LawSettings
+from borrowd.controller.laws.mpc import MpcLaw
+from borrowd.controller.laws.pi import PiLaw
+from borrowd.controller.laws.slack import SlackLaw
+from borrowd.models.errors import ConfigError
 
 LAWS: Mapping[str, LawFactory] = MappingProxyType({
     "pi": PiLaw,

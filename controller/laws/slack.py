@@ -14,8 +14,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from controller.laws.base import LawSettings, LawTick, Proposal, tracked_outputs
-from models.errors import ConfigError
+from borrowd.controller.laws.base import LawSettings, LawTick, Proposal, tracked_outputs
+from borrowd.models.errors import ConfigError
 
 
 @dataclass(frozen=True)

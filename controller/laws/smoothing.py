@@ -18,9 +18,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from controller.burn import BurnConfig, BurnReading, BurnWindow
-from controller.laws.base import NAN_PER_OUTPUT, Law, LawTick, Proposal
-from models.signals import SLO_QUANTILE, Observation, Slo
+from borrowd.controller.burn import BurnConfig, BurnReading, BurnWindow
+from borrowd.controller.laws.base import NAN_PER_OUTPUT, Law, LawTick, Proposal
+from borrowd.models.signals import SLO_QUANTILE, Observation, Slo
 
 
 def smooth_step(prev: float, raw: float, dt_s: float, rise_s: float, fall_s: float) -> float:

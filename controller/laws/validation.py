@@ -18,8 +18,8 @@ import math
 from collections import deque
 from dataclasses import dataclass, field, replace
 
-from controller.laws.base import Law, LawTick, Proposal
-from models.errors import ConfigError
+from borrowd.controller.laws.base import Law, LawTick, Proposal
+from borrowd.models.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -15,16 +15,23 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from controller.laws.base import OUTPUTS, Law, LawSettings, LawTick, Proposal, tracked_outputs
-from controller.laws.feedforward import (
+from borrowd.controller.laws.base import (
+    OUTPUTS,
+    Law,
+    LawSettings,
+    LawTick,
+    Proposal,
+    tracked_outputs,
+)
+from borrowd.controller.laws.feedforward import (
     FeedForwardConfig,
     ForecastState,
     forecast_peak,
     forecast_update,
 )
-from models.errors import ConfigError
-from models.plant.model import SIGNAL_BURN
-from models.plant.rls import LocalGain
+from borrowd.models.errors import ConfigError
+from borrowd.models.plant.model import SIGNAL_BURN
+from borrowd.models.plant.rls import LocalGain
 
 
 class FeedForward:

@@ -14,7 +14,7 @@ import re
 from enum import StrEnum
 from typing import Any
 
-from models.errors import InputError
+from borrowd.models.errors import InputError
 
 
 class Status(StrEnum):

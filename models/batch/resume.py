@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from models.batch.input import CHAT_URL
+from borrowd.models.batch.input import CHAT_URL
 
 PREEMPTED = "preempted"
 """The proxy's resumable `finish_reason`."""

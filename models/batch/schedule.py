@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from models.errors import ConfigError
+from borrowd.models.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-
-from models.errors import InputError
-from models.plant.quality import nrmse
+from borrowd.models.errors import InputError
+from borrowd.models.plant.quality import nrmse
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,7 @@ dead time and time constant show in the response.
 from __future__ import annotations
 
 import numpy as np
-
-from models.errors import InputError
+from borrowd.models.errors import InputError
 
 
 def _validate(u_low: float, u_high: float, duration_s: float, dt_s: float, hold_s: float) -> int:

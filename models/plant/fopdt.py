@@ -14,9 +14,8 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-
-from models.errors import InputError
-from models.plant.quality import nrmse
+from borrowd.models.errors import InputError
+from borrowd.models.plant.quality import nrmse
 
 
 @dataclass(frozen=True)

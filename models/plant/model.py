@@ -15,10 +15,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
-
-from models.errors import InputError
-from models.plant.arx import fit_arx
-from models.plant.fopdt import FopdtFit, fit_fopdt
+from borrowd.models.errors import InputError
+from borrowd.models.plant.arx import fit_arx
+from borrowd.models.plant.fopdt import FopdtFit, fit_fopdt
 
 PLANT_SCHEMA = 1
 SIGNAL_BURN = "burn"

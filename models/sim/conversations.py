@@ -16,9 +16,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 import numpy as np
-
-from models.sim.prefix_cache import OUTPUT_ID
-from models.sim.trace import Segments, Trace
+from borrowd.models.sim.prefix_cache import OUTPUT_ID
+from borrowd.models.sim.trace import Segments, Trace
 
 MEAN_TURNS = 4.0
 MAX_OPEN = 64

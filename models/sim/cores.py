@@ -10,14 +10,14 @@ from __future__ import annotations
 import importlib
 from typing import Protocol
 
-from models.errors import InputError
-from models.sim.engine import EngineConfig, StepResult
-from models.sim.profiles import StepProfile
-from models.sim.request import Request
+from borrowd.models.errors import InputError
+from borrowd.models.sim.engine import EngineConfig, StepResult
+from borrowd.models.sim.profiles import StepProfile
+from borrowd.models.sim.request import Request
 
 ENGINE_CORES: dict[str, str] = {
-    "native": "models.sim.engine:Engine",
-    "vllm": "models.sim.vllm_core:VllmEngine",
+    "native": "borrowd.models.sim.engine:Engine",
+    "vllm": "borrowd.models.sim.vllm_core:VllmEngine",
 }
 DEFAULT_ENGINE = "native"
 

@@ -72,16 +72,16 @@ from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass, field
 
-from models.budget import Budget
-from models.enforcement import (
+from borrowd.models.budget import Budget
+from borrowd.models.enforcement import (
     DEFAULT_MIN_BATCH_TOKENS_PER_STEP,
     StepTimer,
     batch_tokens_per_step,
 )
-from models.errors import ConfigError
-from models.sim.prefix_cache import BlockPool
-from models.sim.profiles import StepProfile
-from models.sim.request import (
+from borrowd.models.errors import ConfigError
+from borrowd.models.sim.prefix_cache import BlockPool
+from borrowd.models.sim.profiles import StepProfile
+from borrowd.models.sim.request import (
     ABORTED,
     BATCH,
     FINISHED,

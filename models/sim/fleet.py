@@ -7,10 +7,10 @@ done). The fleet only routes and counts; the run loop owns time and steps.
 
 from __future__ import annotations
 
-from models.errors import InputError
-from models.sim.cores import EngineCore
-from models.sim.request import Request
-from models.sim.scenario import LEAST_TOKENS, ROUND_ROBIN
+from borrowd.models.errors import InputError
+from borrowd.models.sim.cores import EngineCore
+from borrowd.models.sim.request import Request
+from borrowd.models.sim.scenario import LEAST_TOKENS, ROUND_ROBIN
 
 
 class Fleet:

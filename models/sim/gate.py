@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import math
 
-from models.admission import PoolGate
-from models.budget import Budget
+from borrowd.models.admission import PoolGate
+from borrowd.models.budget import Budget
 
 RETRY_MS = 1000  # retry hint of the gate (adapters.gate.DEFAULT_RETRY_MS)
 

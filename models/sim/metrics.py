@@ -14,8 +14,7 @@ from bisect import bisect_right
 from dataclasses import dataclass
 
 import numpy as np
-
-from models.signals import Slo
+from borrowd.models.signals import Slo
 
 NAN = float("nan")
 

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from models.budget import Budget, Mode
-from models.errors import InputError
-from models.protocols import LoopFactory
-from models.sim.engine import FCFS, PRIORITY
-from models.sim.scenario import Scenario
+from borrowd.models.budget import Budget, Mode
+from borrowd.models.errors import InputError
+from borrowd.models.protocols import LoopFactory
+from borrowd.models.sim.engine import FCFS, PRIORITY
+from borrowd.models.sim.scenario import Scenario
 
 STATIC_SEQS_PER_REPLICA = 8
 BUILTIN = ("none", "unrestricted", "priority")

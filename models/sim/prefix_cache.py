@@ -29,8 +29,7 @@ from __future__ import annotations
 from bisect import bisect_right
 
 import numpy as np
-
-from models.sim.request import Request
+from borrowd.models.sim.request import Request
 
 OUTPUT_ID = -1  # content id of generated tokens (their tokens are what the model sampled)
 NO_HASH = 0

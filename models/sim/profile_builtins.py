@@ -14,8 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-
-from models.sim.profile_fit import (
+from borrowd.models.sim.profile_fit import (
     GPUS,
     VIDUR_DIR,
     FitReport,
@@ -30,7 +29,7 @@ from models.sim.profile_fit import (
     reshape,
     step_seconds,
 )
-from models.sim.profiles import PROFILES_DIR, StepProfile
+from borrowd.models.sim.profiles import PROFILES_DIR, StepProfile
 
 VIDUR_SOURCE = "microsoft/vidur data/profiling (MIT), commit 7d47513"
 # Llama-3-8B (meta-llama/Meta-Llama-3-8B config.json), the target of the H100 scaling.

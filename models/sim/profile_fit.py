@@ -32,10 +32,9 @@ from pathlib import Path
 from typing import IO
 
 import numpy as np
+from borrowd.models.errors import InputError
+from borrowd.models.sim.profiles import StepProfile
 from scipy.optimize import nnls  # type: ignore[import-untyped, unused-ignore]
-
-from models.errors import InputError
-from models.sim.profiles import StepProfile
 
 VIDUR_DIR = Path(__file__).resolve().parent / "data" / "vidur"
 LAYER_OPS = (

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
 
-from models.errors import InputError
+from borrowd.models.errors import InputError
 
 
 @dataclass(frozen=True)

@@ -15,13 +15,13 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from models.errors import InputError
-from models.sim.conversations import multi_turn
-from models.sim.cores import DEFAULT_ENGINE
-from models.sim.policies import ControllerCatalog, parse_policy
-from models.sim.scenario import MULTI_TURN, Scenario
-from models.sim.simulation import RunResult, Simulation
-from models.sim.trace import Lengths, Trace, load_lengths, load_trace, resolve_trace
+from borrowd.models.errors import InputError
+from borrowd.models.sim.conversations import multi_turn
+from borrowd.models.sim.cores import DEFAULT_ENGINE
+from borrowd.models.sim.policies import ControllerCatalog, parse_policy
+from borrowd.models.sim.scenario import MULTI_TURN, Scenario
+from borrowd.models.sim.simulation import RunResult, Simulation
+from borrowd.models.sim.trace import Lengths, Trace, load_lengths, load_trace, resolve_trace
 
 CALIBRATION_TOLERANCE = 0.004
 CALIBRATION_ITERATIONS = 6

@@ -23,10 +23,10 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from models.errors import InputError
-from models.priority import BATCH_PRIORITY
-from models.signals import Slo
-from models.sim.profiles import DEFAULT_PROFILE
+from borrowd.models.errors import InputError
+from borrowd.models.priority import BATCH_PRIORITY
+from borrowd.models.signals import Slo
+from borrowd.models.sim.profiles import DEFAULT_PROFILE
 
 ROUND_ROBIN = "round-robin"
 LEAST_TOKENS = "least-tokens"

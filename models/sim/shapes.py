@@ -21,9 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-
-from models.errors import InputError
-from models.sim.trace import Trace
+from borrowd.models.errors import InputError
+from borrowd.models.sim.trace import Trace
 
 TUNE = "tune"
 HELD_OUT = "held-out"

@@ -24,24 +24,23 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
-
-from models.budget import Budget
-from models.enforcement import engine_share
-from models.errors import InputError
-from models.protocols import TickLoop
-from models.signals import Observation
-from models.sim import metrics
-from models.sim.cores import DEFAULT_ENGINE, make_engine
-from models.sim.engine import DecodeSpan, EngineConfig, StepResult
-from models.sim.fleet import Fleet
-from models.sim.gate import BatchGate
-from models.sim.policies import PolicySpec
-from models.sim.profiles import get_profile
-from models.sim.request import ABORTED, BATCH, INTERACTIVE, Request
-from models.sim.scenario import BACKLOG, ENGINE, Scenario
-from models.sim.store import SimElection, SimStore
-from models.sim.trace import Lengths, Trace
-from models.sim.workload import BatchJob, BatchSource, interactive_arrivals
+from borrowd.models.budget import Budget
+from borrowd.models.enforcement import engine_share
+from borrowd.models.errors import InputError
+from borrowd.models.protocols import TickLoop
+from borrowd.models.signals import Observation
+from borrowd.models.sim import metrics
+from borrowd.models.sim.cores import DEFAULT_ENGINE, make_engine
+from borrowd.models.sim.engine import DecodeSpan, EngineConfig, StepResult
+from borrowd.models.sim.fleet import Fleet
+from borrowd.models.sim.gate import BatchGate
+from borrowd.models.sim.policies import PolicySpec
+from borrowd.models.sim.profiles import get_profile
+from borrowd.models.sim.request import ABORTED, BATCH, INTERACTIVE, Request
+from borrowd.models.sim.scenario import BACKLOG, ENGINE, Scenario
+from borrowd.models.sim.store import SimElection, SimStore
+from borrowd.models.sim.trace import Lengths, Trace
+from borrowd.models.sim.workload import BatchJob, BatchSource, interactive_arrivals
 
 _TICK, _WAKE, _HOUSE, _FAIL, _RECOVER, _BATCH_ARRIVAL = range(6)
 INF = math.inf

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from models.admission import PoolGate
-from models.budget import Budget
+from borrowd.models.admission import PoolGate
+from borrowd.models.budget import Budget
 
 # Enforce a stored record from a time on, aborting the revoked admissions (newest first).
 Enforce = Callable[[Budget, tuple[str, ...], float], None]

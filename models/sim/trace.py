@@ -26,8 +26,7 @@ from pathlib import Path
 from typing import IO
 
 import numpy as np
-
-from models.errors import InputError
+from borrowd.models.errors import InputError
 
 TRACES_ENV = "BORROWD_TRACES_DIR"
 PACKAGED_TRACES_DIR = Path(__file__).resolve().parent / "data"

@@ -23,11 +23,11 @@ import tempfile
 from pathlib import Path
 from typing import Any, Literal, cast
 
-from models.errors import ConfigError
-from models.sim.engine import EngineConfig, SchedulerOutput, StepResult
-from models.sim.prefix_cache import OUTPUT_ID
-from models.sim.profiles import StepProfile
-from models.sim.request import (
+from borrowd.models.errors import ConfigError
+from borrowd.models.sim.engine import EngineConfig, SchedulerOutput, StepResult
+from borrowd.models.sim.prefix_cache import OUTPUT_ID
+from borrowd.models.sim.profiles import StepProfile
+from borrowd.models.sim.request import (
     ABORTED,
     BATCH,
     FINISHED,

@@ -15,10 +15,9 @@ from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
-
-from models.sim.prefix_cache import OUTPUT_ID
-from models.sim.scenario import BatchWorkload
-from models.sim.trace import Lengths, Segments, Trace
+from borrowd.models.sim.prefix_cache import OUTPUT_ID
+from borrowd.models.sim.scenario import BatchWorkload
+from borrowd.models.sim.trace import Lengths, Segments, Trace
 
 
 @dataclass(frozen=True)

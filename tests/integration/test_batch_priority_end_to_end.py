@@ -11,11 +11,12 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs the optional vLLM extra (see .ci/run)")
 
-from adapters.engine_budget import PluginConfig, StaticBudgetSource
-from adapters.proxy.config import ProxyConfig
-from adapters.vllm_plugin import BorrowdScheduler
-from models.budget import Budget, Mode
-from models.priority import BATCH_PRIORITY
+from borrowd.adapters.engine_budget import PluginConfig, StaticBudgetSource
+from borrowd.adapters.proxy.config import ProxyConfig
+from borrowd.adapters.vllm_plugin import BorrowdScheduler
+from borrowd.models.budget import Budget, Mode
+from borrowd.models.priority import BATCH_PRIORITY
+
 from tests.integration.test_gate_nginx import CHAT, Stack, _batch, _publish, stack  # noqa: F401
 from tests.support import vllm_harness as h
 

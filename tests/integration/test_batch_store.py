@@ -5,10 +5,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
-from adapters.batch.state import BatchStore
-from adapters.redis_conn import connect_async
-from models.batch.schedule import FairState, charge
+from borrowd.adapters.batch.state import BatchStore
+from borrowd.adapters.redis_conn import connect_async
+from borrowd.models.batch.schedule import FairState, charge
 
 pytestmark = pytest.mark.integration
 

@@ -7,10 +7,9 @@ import time
 import pytest
 import redis
 import structlog
-
-from adapters.gate import Gate
-from adapters.redis_conn import connect
-from adapters.store import (
+from borrowd.adapters.gate import Gate
+from borrowd.adapters.redis_conn import connect
+from borrowd.adapters.store import (
     BudgetStore,
     BudgetWatcher,
     FencedError,
@@ -18,7 +17,8 @@ from adapters.store import (
     PoolKeys,
     ReadStatus,
 )
-from models.budget import Budget, Mode
+from borrowd.models.budget import Budget, Mode
+
 from tests.support.servers import start_redis, wait_until
 
 pytestmark = pytest.mark.integration

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 import redis
+from borrowd.adapters.gate import Gate
+from borrowd.adapters.store import BudgetStore, PoolKeys, holder_of
+from borrowd.models.budget import Budget, Mode
 
-from adapters.gate import Gate
-from adapters.store import BudgetStore, PoolKeys, holder_of
-from models.budget import Budget, Mode
 from tests.support.daemon_harness import (
     REAL_PROMETHEUS_AND_REDIS,
     RULES,

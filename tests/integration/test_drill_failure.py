@@ -16,11 +16,11 @@ import time
 from pathlib import Path
 
 import pytest
+from borrowd.adapters.ceiling import drill_key
+from borrowd.adapters.store import BudgetStore
+from borrowd.models.errors import InputError
+from borrowd.models.sim.trace import traces_dir
 
-from adapters.ceiling import drill_key
-from adapters.store import BudgetStore
-from models.errors import InputError
-from models.sim.trace import traces_dir
 from tests.support.daemon_harness import REAL_PROMETHEUS_AND_REDIS, borrowd_command
 from tests.support.rollout_fleet import POOL, SLO_ITL_S, SLO_TTFT_S, start_fleet
 from tests.support.servers import wait_until

@@ -25,13 +25,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import redis
+from borrowd.adapters.gate import Gate
+from borrowd.adapters.store import BudgetStore, PoolKeys, holder_of
+from borrowd.controller.prom_source import connect_prometheus, parse_instant, query_range
+from borrowd.models.budget import Mode
+from borrowd.models.errors import InputError
+from borrowd.models.sim.trace import traces_dir
 
-from adapters.gate import Gate
-from adapters.store import BudgetStore, PoolKeys, holder_of
-from controller.prom_source import connect_prometheus, parse_instant, query_range
-from models.budget import Mode
-from models.errors import InputError
-from models.sim.trace import traces_dir
 from tests.support.daemon_harness import (
     REAL_PROMETHEUS_AND_REDIS,
     RULES,

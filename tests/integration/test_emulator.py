@@ -17,10 +17,10 @@ from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
+from borrowd.adapters.emulator.app import EmulatorConfig, EmulatorServer, serve
+from borrowd.adapters.proxy.buckets import ITL_BUCKETS_S, REQUEST_LATENCY_BUCKETS_S, TTFT_BUCKETS_S
+from borrowd.models.sim.profiles import get_profile
 
-from adapters.emulator.app import EmulatorConfig, EmulatorServer, serve
-from adapters.proxy.buckets import ITL_BUCKETS_S, REQUEST_LATENCY_BUCKETS_S, TTFT_BUCKETS_S
-from models.sim.profiles import get_profile
 from tests.support.servers import free_port, start_process
 
 pytestmark = pytest.mark.integration
@@ -246,7 +246,7 @@ async def test_preemptions_are_counted_under_kv_pressure() -> None:
 def test_borrowd_emulate_command_serves() -> None:
     """`borrowd emulate` starts as a process, serves a completion and stops on SIGTERM."""
     port = free_port()
-    runner = ("import argparse, sys; from controller.cli import serve; "
+    runner = ("import argparse, sys; from borrowd.controller.cli import serve; "
               "p = argparse.ArgumentParser(); serve.register(p.add_subparsers()); "
               "a = p.parse_args(); sys.exit(a.func(a))")
     server = start_process("emulate", [sys.executable, "-c", runner, "emulate", "--listen",

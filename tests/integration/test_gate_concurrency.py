@@ -9,11 +9,10 @@ import threading
 import time
 
 import pytest
-
-from adapters.gate import Gate
-from adapters.redis_conn import connect
-from adapters.store import BudgetStore, PoolKeys
-from models.budget import Budget, Mode
+from borrowd.adapters.gate import Gate
+from borrowd.adapters.redis_conn import connect
+from borrowd.adapters.store import BudgetStore, PoolKeys
+from borrowd.models.budget import Budget, Mode
 
 pytestmark = pytest.mark.integration
 

@@ -18,13 +18,12 @@ from dataclasses import dataclass
 
 import pytest
 import redis
-
-from adapters.gate import Gate
-from adapters.redis_conn import connect
-from adapters.store import BudgetStore, PoolKeys
-from models.admission import PoolGate
-from models.budget import Budget, Mode
-from models.errors import FencedError
+from borrowd.adapters.gate import Gate
+from borrowd.adapters.redis_conn import connect
+from borrowd.adapters.store import BudgetStore, PoolKeys
+from borrowd.models.admission import PoolGate
+from borrowd.models.budget import Budget, Mode
+from borrowd.models.errors import FencedError
 
 pytestmark = pytest.mark.integration
 

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from borrowd.adapters.redis_conn import connect
+from borrowd.adapters.store import BudgetStore
+from borrowd.models.budget import Budget, Mode
 
-from adapters.redis_conn import connect
-from adapters.store import BudgetStore
-from models.budget import Budget, Mode
 from tests.support.servers import (
     ServerProcess,
     free_port,

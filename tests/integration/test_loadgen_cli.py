@@ -10,9 +10,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from borrowd.models.errors import InputError
+from borrowd.models.sim.trace import traces_dir
 
-from models.errors import InputError
-from models.sim.trace import traces_dir
 from tests.support.daemon_harness import REAL_PROMETHEUS_AND_REDIS, borrowd_command, to_toml
 from tests.support.servers import ServerProcess, free_port, start_process, start_redis
 

@@ -12,8 +12,8 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from borrowd.controller.prom_source import PrometheusSource, connect_prometheus
 
-from controller.prom_source import PrometheusSource, connect_prometheus
 from tests.support.daemon_harness import RULES
 from tests.support.fleet_metrics import FakeFleetMetrics
 from tests.support.servers import ServerProcess, start_prometheus, wait_until

@@ -18,8 +18,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 from aiohttp import web
+from borrowd.adapters.emulator.app import EmulatorConfig, EmulatorServer
 
-from adapters.emulator.app import EmulatorConfig, EmulatorServer
 from tests.integration.test_proxy_e2e import INTERACTIVE_KEY, MODEL, _config, _start
 from tests.support.daemon_harness import borrowd_command, to_toml
 from tests.support.servers import ServerProcess, free_port, start_process

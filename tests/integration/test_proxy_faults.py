@@ -15,16 +15,16 @@ from typing import Any
 
 import aiohttp
 import pytest
+from borrowd.adapters.emulator.app import EmulatorConfig, EmulatorServer
+from borrowd.adapters.emulator.app import serve as serve_emulator
+from borrowd.adapters.gate import AsyncGate
+from borrowd.adapters.proxy.app import ProxyServer
+from borrowd.adapters.proxy.app import serve as serve_proxy
+from borrowd.adapters.proxy.config import parse_config
+from borrowd.adapters.redis_conn import connect, connect_async
+from borrowd.adapters.store import BudgetStore
+from borrowd.models.budget import Budget, Mode
 
-from adapters.emulator.app import EmulatorConfig, EmulatorServer
-from adapters.emulator.app import serve as serve_emulator
-from adapters.gate import AsyncGate
-from adapters.proxy.app import ProxyServer
-from adapters.proxy.app import serve as serve_proxy
-from adapters.proxy.config import parse_config
-from adapters.redis_conn import connect, connect_async
-from adapters.store import BudgetStore
-from models.budget import Budget, Mode
 from tests.support.daemon_harness import borrowd_command
 from tests.support.servers import ServerProcess, free_port, start_process, start_redis
 

@@ -14,14 +14,14 @@ from typing import Any
 import openai
 import pytest
 from aiohttp import web
+from borrowd.adapters.gate import AsyncGate
+from borrowd.adapters.proxy.app import ProxyServer
+from borrowd.adapters.proxy.app import serve as serve_proxy
+from borrowd.adapters.proxy.config import parse_config
+from borrowd.adapters.redis_conn import connect, connect_async
+from borrowd.adapters.store import BudgetStore
+from borrowd.models.budget import Budget, Mode, closed_budget
 
-from adapters.gate import AsyncGate
-from adapters.proxy.app import ProxyServer
-from adapters.proxy.app import serve as serve_proxy
-from adapters.proxy.config import parse_config
-from adapters.redis_conn import connect, connect_async
-from adapters.store import BudgetStore
-from models.budget import Budget, Mode, closed_budget
 from tests.support.servers import ServerProcess, free_port
 
 pytestmark = pytest.mark.integration

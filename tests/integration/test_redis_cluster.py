@@ -21,12 +21,12 @@ import redis
 import redis.asyncio.cluster
 import redis.cluster
 import redis.exceptions
+from borrowd.adapters.gate import AsyncGate, Gate
+from borrowd.adapters.pool_registry import PoolRegistry
+from borrowd.adapters.redis_conn import connect, connect_async
+from borrowd.adapters.store import AsyncBudgetWatcher, BudgetStore, BudgetWatcher, LeaderElection
+from borrowd.models.budget import Budget, Mode
 
-from adapters.gate import AsyncGate, Gate
-from adapters.pool_registry import PoolRegistry
-from adapters.redis_conn import connect, connect_async
-from adapters.store import AsyncBudgetWatcher, BudgetStore, BudgetWatcher, LeaderElection
-from models.budget import Budget, Mode
 from tests.support.daemon_harness import borrowd_command
 from tests.support.redis_cluster import RedisCluster, needs_cluster_tools, redis_cluster
 from tests.support.servers import free_port, start_process, wait_until
@@ -159,7 +159,7 @@ def test_status_command_on_the_cluster(cluster: RedisCluster, pool: str) -> None
 
 def test_daemon_config_accepts_a_cluster_url() -> None:
     """`redis.url = "redis+cluster://..."` passes the daemon's config validation."""
-    from controller.config import config_from_mapping
+    from borrowd.controller.config import config_from_mapping
 
     config = config_from_mapping({"redis": {"url": "redis+cluster://a:1,b:2/0"},
                                   "pools": [{"name": "chat"}]})

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 import redis
+from borrowd.adapters.redis_conn import connect, connect_async
+from borrowd.adapters.store import BudgetStore
+from borrowd.models.budget import Budget, Mode
 
-from adapters.redis_conn import connect, connect_async
-from adapters.store import BudgetStore
-from models.budget import Budget, Mode
 from tests.support.servers import ServerProcess, free_port, start_process, start_redis
 
 pytestmark = pytest.mark.integration

@@ -12,12 +12,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from borrowd.controller.report_render import render_html
+from borrowd.models.batch.figures import CostModel
+from borrowd.models.report import ClassWindow, WindowSample, build_report
+from borrowd.models.signals import Slo
 from PIL import Image
-
-from controller.report_render import render_html
-from models.batch.figures import CostModel
-from models.report import ClassWindow, WindowSample, build_report
-from models.signals import Slo
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = [

@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
+from borrowd.controller.prom_source import connect_prometheus
 
-from controller.prom_source import connect_prometheus
 from tests.support.daemon_harness import borrowd_command
 from tests.support.report_exporter import Phase, PhasedPool
 from tests.support.servers import ServerProcess, start_prometheus

@@ -23,9 +23,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from borrowd.models.errors import InputError
+from borrowd.models.sim.trace import traces_dir
 
-from models.errors import InputError
-from models.sim.trace import traces_dir
 from tests.support.daemon_harness import REAL_PROMETHEUS_AND_REDIS, borrowd_command
 from tests.support.servers import (
     ServerProcess,

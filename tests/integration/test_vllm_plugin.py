@@ -13,11 +13,12 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs the optional vLLM extra (see .ci/run)")
 
-from adapters.engine_budget import PluginConfig, StaticBudgetSource
-from adapters.redis_conn import connect
-from adapters.store import BudgetStore
-from adapters.vllm_plugin import BorrowdAsyncScheduler, BorrowdScheduler, check_vllm_hook
-from models.budget import Budget, Mode
+from borrowd.adapters.engine_budget import PluginConfig, StaticBudgetSource
+from borrowd.adapters.redis_conn import connect
+from borrowd.adapters.store import BudgetStore
+from borrowd.adapters.vllm_plugin import BorrowdAsyncScheduler, BorrowdScheduler, check_vllm_hook
+from borrowd.models.budget import Budget, Mode
+
 from tests.support import vllm_harness as h
 from tests.support.servers import ServerProcess, wait_until
 
@@ -190,14 +191,13 @@ def test_interactive_never_held_back(store: BudgetStore, budget: Budget | None) 
 
 @pytest.mark.parametrize("name", ["BorrowdScheduler", "BorrowdAsyncScheduler"])
 def test_vllm_resolves_the_scheduler_cls_option(name: str) -> None:
-    """`--scheduler-cls adapters.vllm_plugin.NAME` resolves to the plugin class."""
+    """`--scheduler-cls borrowd.adapters.vllm_plugin.NAME` resolves to the plugin class."""
+    import borrowd.adapters.vllm_plugin as vllm_plugin
     from vllm.config import SchedulerConfig
 
-    import adapters.vllm_plugin
-
     config = SchedulerConfig(max_model_len=8192, is_encoder_decoder=False,
-                             scheduler_cls=f"adapters.vllm_plugin.{name}")
-    assert config.get_scheduler_cls() is getattr(adapters.vllm_plugin, name)
+                             scheduler_cls=f"borrowd.adapters.vllm_plugin.{name}")
+    assert config.get_scheduler_cls() is getattr(vllm_plugin, name)
 
 
 def _static_plugin(cls: type, budget: Budget, floor_tokens: int, **config: Any) -> Any:
@@ -265,7 +265,7 @@ def test_plugin_import_fails_on_a_vllm_without_the_hook() -> None:
     instead of running with batch silently uncapped."""
     code = ("from vllm.v1.core.sched.scheduler import Scheduler\n"
             "del Scheduler._reserve_prefill_lookahead\n"
-            "import adapters.vllm_plugin\n")
+            "import borrowd.adapters.vllm_plugin\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=120, check=False, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert result.returncode != 0

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from borrowd.adapters.store import BudgetStore
+from borrowd.models.budget import Budget, Mode
 
-from adapters.store import BudgetStore
-from models.budget import Budget, Mode
 from tests.support.daemon_harness import borrowd_command, to_toml
 from tests.support.servers import (
     ServerProcess,

@@ -14,8 +14,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from borrowd.controller.config import toml_value
 
-from controller.config import toml_value
 from tests.support.servers import ServerProcess, free_port, start_process
 
 RULES = Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / "borrowd.rules.yml"

@@ -11,9 +11,9 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
+from borrowd.adapters.proxy.buckets import ITL_BUCKETS_S, TTFT_BUCKETS_S
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from adapters.proxy.buckets import ITL_BUCKETS_S, TTFT_BUCKETS_S
 from tests.support.servers import free_port
 
 

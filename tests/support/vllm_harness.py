@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from models.sim.engine import Engine, EngineConfig
-from models.sim.prefix_cache import OUTPUT_ID
-from models.sim.profiles import H100_LLAMA3_8B, StepProfile
-from models.sim.request import BATCH, INTERACTIVE, Request
-from models.sim.vllm_core import (
+from borrowd.models.sim.engine import Engine, EngineConfig
+from borrowd.models.sim.prefix_cache import OUTPUT_ID
+from borrowd.models.sim.profiles import H100_LLAMA3_8B, StepProfile
+from borrowd.models.sim.request import BATCH, INTERACTIVE, Request
+from borrowd.models.sim.vllm_core import (
     VllmEngine,
     build_scheduler,
     default_model_dir,

@@ -12,18 +12,19 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("models", "controller", "adapters")
-FORBIDDEN_FROM_MODELS = ("controller", "adapters")
+FORBIDDEN_FROM_MODELS = ("borrowd.controller", "borrowd.adapters")
 # A string that is exactly a module path (optionally `module:attribute`) of the project.
-MODULE_STRING = re.compile(r"^(models|controller|adapters)(\.[A-Za-z_][A-Za-z0-9_]*)*(:\w+)?$")
+MODULE_STRING = re.compile(r"^borrowd\.(models|controller|adapters)(\.\w+)*(:\w+)?$")
 DYNAMIC_IMPORTS = {"import_module", "find_spec", "__import__", "import_string"}
 
 
 def module_name(path: Path) -> str:
-    """Dotted module name of a source file under the repository root."""
+    """Dotted module name of a source file under the repository root (installed under
+    the `borrowd` namespace)."""
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
-    return ".".join(parts)
+    return ".".join(["borrowd", *parts])
 
 
 def project_modules() -> dict[str, Path]:
@@ -145,13 +146,13 @@ def test_no_import_cycle_between_project_modules() -> None:
 
 def test_no_import_cycle_between_packages() -> None:
     """The packages form a DAG: adapters and controller may use models, never the reverse,
-    and adapters never import controller."""
+    and adapters never import borrowd.controller."""
     graph = import_graph()
     edges = {
-        (src.split(".")[0], dst.split(".")[0])
+        (src.split(".")[1], dst.split(".")[1])
         for src, targets in graph.items()
         for dst in targets
-        if src.split(".")[0] != dst.split(".")[0]
+        if src.split(".")[1] != dst.split(".")[1]
     }
     assert edges <= {("controller", "models"), ("controller", "adapters"), ("adapters", "models")}
 
@@ -159,11 +160,11 @@ def test_no_import_cycle_between_packages() -> None:
 @pytest.mark.parametrize(
     ("source", "expected"),
     [
-        ("import controller.policy\n", "controller.policy"),
-        ("from adapters import gate\n", "adapters.gate"),
-        ("import importlib\nimportlib.import_module('controller.closed_loop')\n",
-         "controller.closed_loop"),
-        ("X = {'a': 'adapters.vllm_plugin:Plugin'}\n", "adapters.vllm_plugin"),
+        ("import borrowd.controller.policy\n", "borrowd.controller.policy"),
+        ("from borrowd.adapters import gate\n", "borrowd.adapters.gate"),
+        ("import importlib\nimportlib.import_module('borrowd.controller.closed_loop')\n",
+         "borrowd.controller.closed_loop"),
+        ("X = {'a': 'borrowd.adapters.vllm_plugin:Plugin'}\n", "borrowd.adapters.vllm_plugin"),
     ],
     ids=["import", "from-import", "import-module", "module-string"],
 )

@@ -5,11 +5,10 @@ from __future__ import annotations
 import time
 
 import redis
-
-from adapters.ceiling import ceiling_key, read_ceiling, write_ceiling
-from adapters.pool_store import RedisPoolStore
-from adapters.store import BudgetStore
-from models.budget import Budget, Mode
+from borrowd.adapters.ceiling import ceiling_key, read_ceiling, write_ceiling
+from borrowd.adapters.pool_store import RedisPoolStore
+from borrowd.adapters.store import BudgetStore
+from borrowd.models.budget import Budget, Mode
 
 OPEN = Budget(pool="chat", mode=Mode.OPEN, reason="quiet", batch_tokens_per_s=8000.0,
               batch_burst_tokens=33792, max_batch_seqs=8, max_batch_kv_tokens=80000,

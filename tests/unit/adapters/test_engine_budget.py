@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-
-from adapters.engine_budget import (
+from borrowd.adapters.engine_budget import (
     MAX_STEP_S,
     PluginConfig,
     StaticBudgetSource,
@@ -13,8 +12,8 @@ from adapters.engine_budget import (
     batch_tokens_per_step,
     engine_share,
 )
-from models.budget import Budget, Mode, closed_budget
-from models.errors import ConfigError
+from borrowd.models.budget import Budget, Mode, closed_budget
+from borrowd.models.errors import ConfigError
 
 
 def _budget(tokens_per_s: float, seqs: int = 4, mode: Mode = Mode.OPEN) -> Budget:

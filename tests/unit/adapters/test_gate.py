@@ -5,12 +5,11 @@ from __future__ import annotations
 import time
 
 import pytest
-
-from adapters.gate import Admission, AsyncGate, Gate
-from adapters.redis_conn import connect, connect_async
-from adapters.store import BudgetStore, PoolKeys
-from models.budget import Budget, Mode
-from models.errors import InputError
+from borrowd.adapters.gate import Admission, AsyncGate, Gate
+from borrowd.adapters.redis_conn import connect, connect_async
+from borrowd.adapters.store import BudgetStore, PoolKeys
+from borrowd.models.budget import Budget, Mode
+from borrowd.models.errors import InputError
 
 POOL = "p1"
 T0 = 1_000.0

@@ -7,8 +7,7 @@ import time
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
-
-from adapters.gate_http import (
+from borrowd.adapters.gate_http import (
     Forbidden,
     GateCaller,
     GateService,
@@ -17,10 +16,11 @@ from adapters.gate_http import (
     load_gate_config,
     make_app,
 )
-from adapters.redis_conn import connect, connect_async
-from adapters.store import BudgetStore
-from models.budget import Budget, Mode
-from models.errors import ConfigError
+from borrowd.adapters.redis_conn import connect, connect_async
+from borrowd.adapters.store import BudgetStore
+from borrowd.models.budget import Budget, Mode
+from borrowd.models.errors import ConfigError
+
 from tests.support.servers import free_port
 
 POOL = "p1"

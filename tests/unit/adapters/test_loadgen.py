@@ -7,8 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from adapters.loadgen import (
+from borrowd.adapters.loadgen import (
     BATCH,
     ERROR,
     INTERACTIVE,
@@ -23,8 +22,8 @@ from adapters.loadgen import (
     parse_burst,
     summarize,
 )
-from models.errors import InputError
-from models.sim.trace import Lengths, Trace
+from borrowd.models.errors import InputError
+from borrowd.models.sim.trace import Lengths, Trace
 
 TRACE = Trace(
     path=Path("synthetic.csv"),

@@ -14,14 +14,13 @@ from importlib import resources
 
 import pytest
 import redis
+from borrowd.adapters.gate import Gate
+from borrowd.adapters.redis_conn import connect
+from borrowd.adapters.store import BudgetStore, PoolKeys, ReadStatus
+from borrowd.models.budget import Budget, Mode
+from borrowd.models.errors import BudgetRecordError, InputError
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from adapters.gate import Gate
-from adapters.redis_conn import connect
-from adapters.store import BudgetStore, PoolKeys, ReadStatus
-from models.budget import Budget, Mode
-from models.errors import BudgetRecordError, InputError
 
 POOL = "p1"
 KEYS = PoolKeys(POOL)
@@ -204,7 +203,7 @@ NUMBERISH = st.one_of(
 )
 
 
-COMMON_LUA = resources.files("adapters.lua").joinpath("common.lua").read_text()
+COMMON_LUA = resources.files("borrowd.adapters.lua").joinpath("common.lua").read_text()
 PARSE_BOTH = COMMON_LUA + """
 local i, x = parse_int(ARGV[1]), parse_number(ARGV[1])
 return {i ~= nil and i >= 0 and 1 or 0, x ~= nil and x >= 0 and 1 or 0}

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import redis
-
-from adapters.pool_store import RedisPoolElection, RedisPoolStore
-from models.budget import Budget, Mode
-from models.errors import FencedError, StoreError
+from borrowd.adapters.pool_store import RedisPoolElection, RedisPoolStore
+from borrowd.models.budget import Budget, Mode
+from borrowd.models.errors import FencedError, StoreError
 
 OPEN = Budget(pool="chat", mode=Mode.OPEN, reason="quiet", batch_tokens_per_s=5000.0,
               batch_burst_tokens=10000, max_batch_seqs=4, max_batch_kv_tokens=50000,

@@ -7,8 +7,7 @@ import json
 
 import pytest
 import structlog
-
-from adapters.redact import redact, redact_event, redact_url
+from borrowd.adapters.redact import redact, redact_event, redact_url
 
 SECRET = "hunter2"
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import redis
 import redis.asyncio
-
-from adapters.redis_conn import (
+from borrowd.adapters.redis_conn import (
     DEFAULT_REDIS_URL,
     REDIS_URL_ENV,
     connect,
@@ -16,7 +15,7 @@ from adapters.redis_conn import (
     redact_url,
     resolve_redis_url,
 )
-from models.errors import ConfigError
+from borrowd.models.errors import ConfigError
 
 
 @pytest.mark.parametrize(

@@ -8,9 +8,8 @@ import time
 
 import pytest
 import structlog
-
-from adapters.redis_conn import connect, connect_async
-from adapters.store import (
+from borrowd.adapters.redis_conn import connect, connect_async
+from borrowd.adapters.store import (
     AsyncBudgetWatcher,
     BudgetStore,
     BudgetWatcher,
@@ -21,8 +20,8 @@ from adapters.store import (
     holder_of,
     supersedes,
 )
-from models.budget import Budget, Mode
-from models.errors import InputError
+from borrowd.models.budget import Budget, Mode
+from borrowd.models.errors import InputError
 
 POOL = "p1"
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
-
-from controller.burn import IDLE, BurnConfig, BurnWindow, wilson_bounds
+from borrowd.controller.burn import IDLE, BurnConfig, BurnWindow, wilson_bounds
 
 
 def _feed(window: BurnWindow, ticks: int, share: float, samples: float, start_s: float = 0.0,

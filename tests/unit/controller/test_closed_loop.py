@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import pytest
-
-from controller.closed_loop import SimControllers, make_policy
-from models.budget import Mode
-from models.sim.run import run_scenario
-from models.sim.scenario import Failure, get_scenario
+from borrowd.controller.closed_loop import SimControllers, make_policy
+from borrowd.models.budget import Mode
+from borrowd.models.sim.run import run_scenario
+from borrowd.models.sim.scenario import Failure, get_scenario
 
 DURATION_S = 600.0
 # Issue 7 asks for 1.25x the best static cap; on this simulator the ITL cliff sits ~5% above

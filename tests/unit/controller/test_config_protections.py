@@ -7,9 +7,8 @@ import re
 from pathlib import Path
 
 import pytest
-
-from controller.config import config_from_mapping, load_config
-from models.errors import ConfigError
+from borrowd.controller.config import config_from_mapping, load_config
+from borrowd.models.errors import ConfigError
 
 
 def _pool(**controller: object) -> dict:

@@ -7,11 +7,10 @@ import tomllib
 from pathlib import Path
 
 import pytest
-
-from controller.cli import main
-from models.plant.excitation import prbs
-from models.plant.fopdt import simulate_fopdt
-from models.plant.model import PlantModel, identify_plant
+from borrowd.controller.cli import main
+from borrowd.models.plant.excitation import prbs
+from borrowd.models.plant.fopdt import simulate_fopdt
+from borrowd.models.plant.model import PlantModel, identify_plant
 
 
 @pytest.fixture
@@ -64,8 +63,8 @@ def test_written_gains_load_into_borrowd_toml(plant_file, tmp_path, capsys):
 def test_step_plot_shows_the_informative_part(plant_file):
     """The step plot spans 1.5x the slowest settling time, not the 10x-time-constant
     simulation that was mostly a flat line."""
-    from controller.cli.control import step_plot_span_s
-    from controller.tuning import analyse_loop
+    from borrowd.controller.cli.control import step_plot_span_s
+    from borrowd.controller.tuning import analyse_loop
 
     plant = PlantModel.load(plant_file)
     reports = [analyse_loop(plant, o.name, "simc", 0.0, 1.0) for o in plant.outputs]
@@ -103,7 +102,7 @@ def test_identify_refuses_a_flat_experiment(tmp_path, capsys):
 
 def test_identify_from_prometheus_keeps_no_password(tmp_path, capsys, monkeypatch):
     """A Prometheus URL with basic auth is neither printed nor written into plant.json."""
-    import controller.prom_source as prom_source
+    import borrowd.controller.prom_source as prom_source
 
     u = prbs(0.0, 40_000.0, 600.0, 1.0, 15.0, seed=3)
     y = simulate_fopdt(u, a=math.exp(-1 / 5.0), gain=1e-5, dead_steps=2, u0=0.0, y0=0.3,

@@ -8,8 +8,7 @@ import typing
 from pathlib import Path
 
 import pytest
-
-from controller.config import (
+from borrowd.controller.config import (
     BorrowdConfig,
     PoolConfig,
     apply_env_overrides,
@@ -17,7 +16,7 @@ from controller.config import (
     example_config,
     load_config,
 )
-from models.errors import ConfigError
+from borrowd.models.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[3]
 MINIMAL = {"pools": [{"name": "chat"}]}
@@ -182,7 +181,7 @@ def _capitalised(text: str) -> str:
 )
 def test_burn_is_used_only_where_the_rules_measure_the_pool_slo(slos: dict, burn: bool) -> None:
     """The Prometheus burn rules count samples above 50 ms / 1 s; other SLOs use the p95s."""
-    from controller.pools import build_policies
+    from borrowd.controller.pools import build_policies
 
     config = config_from_mapping(pool(controller=slos))
     assert build_policies(config)["a"].config.control_on_burn is burn

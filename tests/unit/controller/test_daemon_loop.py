@@ -7,16 +7,15 @@ from dataclasses import dataclass, field
 
 import pytest
 from apscheduler.events import EVENT_JOB_MAX_INSTANCES, EVENT_JOB_MISSED, JobEvent
+from borrowd.controller.daemon import Daemon
+from borrowd.controller.loop import PoolLoop
+from borrowd.controller.loop_metrics import FOLLOWER, LEADER, DaemonMetrics
+from borrowd.controller.sdnotify import Notifier
+from borrowd.models.budget import Budget, Mode, closed_budget
+from borrowd.models.errors import FencedError, StoreError
+from borrowd.models.signals import Observation
 from prometheus_client import generate_latest
 from structlog.testing import capture_logs
-
-from controller.daemon import Daemon
-from controller.loop import PoolLoop
-from controller.loop_metrics import FOLLOWER, LEADER, DaemonMetrics
-from controller.sdnotify import Notifier
-from models.budget import Budget, Mode, closed_budget
-from models.errors import FencedError, StoreError
-from models.signals import Observation
 
 OPEN = Budget(pool="chat", mode=Mode.OPEN, reason="quiet", batch_tokens_per_s=5000.0,
               batch_burst_tokens=10000, max_batch_seqs=4, max_batch_kv_tokens=50000,

@@ -6,10 +6,9 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-
-from controller.identify import tracked_series, tracked_signal
-from controller.policy import ControllerConfig
-from models.signals import Observation
+from borrowd.controller.identify import tracked_series, tracked_signal
+from borrowd.controller.policy import ControllerConfig
+from borrowd.models.signals import Observation
 
 
 def stream(shares: list[float]) -> list[Observation]:

@@ -6,12 +6,22 @@ import math
 
 import numpy as np
 import pytest
-
-from controller.laws.feedforward import FeedForwardConfig, ForecastState, forecast, forecast_update
-from controller.laws.mpc import MpcConfig, MpcOutput, mpc_advance, mpc_initial_state, mpc_step
-from controller.laws.pi import PiConfig, PiGains, PiLoop, PiState, pi_gains, pi_step
-from controller.laws.slack import SlackConfig, slack_step
-from models.plant.fopdt import FopdtFit
+from borrowd.controller.laws.feedforward import (
+    FeedForwardConfig,
+    ForecastState,
+    forecast,
+    forecast_update,
+)
+from borrowd.controller.laws.mpc import (
+    MpcConfig,
+    MpcOutput,
+    mpc_advance,
+    mpc_initial_state,
+    mpc_step,
+)
+from borrowd.controller.laws.pi import PiConfig, PiGains, PiLoop, PiState, pi_gains, pi_step
+from borrowd.controller.laws.slack import SlackConfig, slack_step
+from borrowd.models.plant.fopdt import FopdtFit
 
 LOOPS = (
     PiLoop("ttft", 0.6, PiGains(kp=10_000.0, ki_per_s=2_000.0)),

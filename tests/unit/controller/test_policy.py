@@ -6,11 +6,10 @@ import math
 from dataclasses import replace
 
 import pytest
-
-from controller.laws.base import LawTick
-from controller.laws.pi import PiLaw
-from controller.policy import ControllerConfig, ControllerPolicy, build_policy
-from models.signals import Observation
+from borrowd.controller.laws.base import LawTick
+from borrowd.controller.laws.pi import PiLaw
+from borrowd.controller.policy import ControllerConfig, ControllerPolicy, build_policy
+from borrowd.models.signals import Observation
 
 
 def observation(now_s: float, **over: float) -> Observation:

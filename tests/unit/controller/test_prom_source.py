@@ -11,9 +11,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import requests
-from prometheus_api_client import PrometheusApiClientException
-
-from controller.prom_source import (
+from borrowd.controller.prom_source import (
     EMPTY,
     HTTP,
     IMPOSSIBLE,
@@ -27,8 +25,10 @@ from controller.prom_source import (
     query_range,
     window_seconds,
 )
-from models.errors import InputError
-from models.signals import Observation
+from borrowd.models.errors import InputError
+from borrowd.models.signals import Observation
+from prometheus_api_client import PrometheusApiClientException
+
 from tests.support.servers import free_port
 
 FIELD_VALUES = {

@@ -7,8 +7,7 @@ import socket
 from pathlib import Path
 
 import pytest
-
-from controller.sdnotify import Notifier, watchdog_interval_s
+from borrowd.controller.sdnotify import Notifier, watchdog_interval_s
 
 
 def test_notify_sends_one_datagram_to_the_socket(tmp_path: Path) -> None:

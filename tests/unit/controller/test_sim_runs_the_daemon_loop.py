@@ -9,22 +9,21 @@ import json
 from pathlib import Path
 
 import pytest
-
-from controller.cli import main
-from controller.closed_loop import QUIET_LOG, SimControllers, example_pool
-from controller.config import load_config
-from controller.loop import PoolLoop
-from controller.loop_metrics import DaemonMetrics
-from controller.pools import build_pool_policy
-from models.budget import Budget, Mode
-from models.errors import FencedError
-from models.protocols import Election, MetricsSource, Store
-from models.sim.engine import PRIORITY
-from models.sim.policies import PolicySpec
-from models.sim.run import load_inputs
-from models.sim.scenario import get_scenario
-from models.sim.simulation import Simulation
-from models.sim.store import SimElection, SimStore
+from borrowd.controller.cli import main
+from borrowd.controller.closed_loop import QUIET_LOG, SimControllers, example_pool
+from borrowd.controller.config import load_config
+from borrowd.controller.loop import PoolLoop
+from borrowd.controller.loop_metrics import DaemonMetrics
+from borrowd.controller.pools import build_pool_policy
+from borrowd.models.budget import Budget, Mode
+from borrowd.models.errors import FencedError
+from borrowd.models.protocols import Election, MetricsSource, Store
+from borrowd.models.sim.engine import PRIORITY
+from borrowd.models.sim.policies import PolicySpec
+from borrowd.models.sim.run import load_inputs
+from borrowd.models.sim.scenario import get_scenario
+from borrowd.models.sim.simulation import Simulation
+from borrowd.models.sim.store import SimElection, SimStore
 
 ROOT = Path(__file__).resolve().parents[3]
 EXAMPLE = ROOT / "examples" / "borrowd.toml"
@@ -68,7 +67,7 @@ def test_sim_with_config_equals_the_daemon_loop_wired_by_hand(
 ) -> None:
     """`borrowd sim --config examples/borrowd.toml --policy pi` gives exactly the figures
     of the daemon's `PoolLoop` built from that file and ticked by the simulation."""
-    monkeypatch.setattr("models.sim.run.calibrate_rate_scale", lambda *a, **k: RATE_SCALE)
+    monkeypatch.setattr("borrowd.models.sim.run.calibrate_rate_scale", lambda *a, **k: RATE_SCALE)
     out = tmp_path / "run.json"
     rc = main(["sim", "--config", str(EXAMPLE), "--scenario", "seed", "--policy", "pi",
                "--duration", str(DURATION_S), "--json", str(out)])

@@ -6,11 +6,10 @@ import math
 from dataclasses import replace
 
 import pytest
-
-from controller.burn import BurnReading
-from controller.supervisor import SupervisorConfig, SupervisorState, supervise
-from models.budget import Mode
-from models.signals import Observation, Slo
+from borrowd.controller.burn import BurnReading
+from borrowd.controller.supervisor import SupervisorConfig, SupervisorState, supervise
+from borrowd.models.budget import Mode
+from borrowd.models.signals import Observation, Slo
 
 SLO = Slo()
 CFG = SupervisorConfig(quiet_s=10.0, ramp_slew_tokens_per_s2=1000.0, ramp_cap_tokens_per_s=5000.0)

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import pytest
-
-from controller.policy import ControllerConfig, build_policy
-from models.budget import Mode
-from models.signals import Observation
+from borrowd.controller.policy import ControllerConfig, build_policy
+from borrowd.models.budget import Mode
+from borrowd.models.signals import Observation
 
 
 def quiet(now_s: float, carried_tokens_per_s: float) -> Observation:

@@ -7,10 +7,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
-from controller.config import RULE_WINDOWS, config_from_mapping
-from controller.prom_source import pool_queries
-from models.errors import ConfigError
+from borrowd.controller.config import RULE_WINDOWS, config_from_mapping
+from borrowd.controller.prom_source import pool_queries
+from borrowd.models.errors import ConfigError
 
 DEPLOY = Path(__file__).resolve().parents[3] / "deploy" / "prometheus"
 

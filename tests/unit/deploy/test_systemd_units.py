@@ -13,8 +13,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-
-from controller.cli import build_parser
+from borrowd.controller.cli import build_parser
 
 SYSTEMD = Path(__file__).resolve().parents[3] / "systemd"
 UNITS = ("borrowd.service", "borrowd-proxy.service", "borrowd-gate.service")

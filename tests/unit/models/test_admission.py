@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import pytest
-
-from models.admission import PoolGate, lua_stored
-from models.budget import Budget, Mode
-from models.errors import FencedError
+from borrowd.models.admission import PoolGate, lua_stored
+from borrowd.models.budget import Budget, Mode
+from borrowd.models.errors import FencedError
 
 POOL = "p"
 LEASE_MS = 10_000

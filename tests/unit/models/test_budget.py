@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
-from models.budget import SCHEMA_VERSION, Budget, Mode, closed_budget
-from models.errors import BudgetRecordError
+from borrowd.models.budget import SCHEMA_VERSION, Budget, Mode, closed_budget
+from borrowd.models.errors import BudgetRecordError
 
 
 def _budget() -> Budget:

@@ -6,10 +6,9 @@ import json
 import math
 
 import pytest
-
-from models.batch.figures import CostModel
-from models.errors import InputError
-from models.report import (
+from borrowd.models.batch.figures import CostModel
+from borrowd.models.errors import InputError
+from borrowd.models.report import (
     ClassWindow,
     Verdict,
     WindowSample,
@@ -18,7 +17,7 @@ from models.report import (
     report_json,
     window_verdict,
 )
-from models.signals import Slo
+from borrowd.models.signals import Slo
 
 SLO = Slo(ttft_p95_s=1.0, itl_p95_s=0.05, success_rate=0.99)
 COST = CostModel(price_per_gpu_hour=3.6, prefill_tokens_per_gpu_s=1000.0,

@@ -5,10 +5,9 @@ from __future__ import annotations
 import math
 
 import pytest
-
-from models.budget import Budget, Mode
-from models.errors import InputError
-from models.rollout import (
+from borrowd.models.budget import Budget, Mode
+from borrowd.models.errors import InputError
+from borrowd.models.rollout import (
     StepFigures,
     Tolerance,
     apply_ceiling,
@@ -19,7 +18,7 @@ from models.rollout import (
     samples_for_quantile,
     step_schedule,
 )
-from models.signals import Slo
+from borrowd.models.signals import Slo
 
 OPEN = Budget(pool="chat", mode=Mode.OPEN, reason="quiet", batch_tokens_per_s=8000.0,
               batch_burst_tokens=33792, max_batch_seqs=8, max_batch_kv_tokens=80000,

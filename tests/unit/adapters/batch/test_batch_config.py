@@ -5,9 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-from adapters.batch.config import load_batch_config, parse_batch_config
-from models.errors import ConfigError
+from borrowd.adapters.batch.config import load_batch_config, parse_batch_config
+from borrowd.models.errors import ConfigError
 
 EXAMPLE = Path(__file__).resolve().parents[4] / "examples" / "batch.toml"
 TENANTS = {"etl": {"keys": ["k"], "weight": 2}}

@@ -7,9 +7,8 @@ from dataclasses import dataclass, field
 
 import pytest
 import redis
-
-from adapters.proxy.admission import BatchAdmitter
-from adapters.proxy.config import AdmissionConfig, AdmissionMode
+from borrowd.adapters.proxy.admission import BatchAdmitter
+from borrowd.adapters.proxy.config import AdmissionConfig, AdmissionMode
 
 
 @dataclass

@@ -6,15 +6,14 @@ import re
 from pathlib import Path
 
 import pytest
-
-from adapters.proxy.config import (
+from borrowd.adapters.proxy.config import (
     AdmissionMode,
     RequestClass,
     describe_fields,
     load_config,
     parse_config,
 )
-from models.errors import ConfigError
+from borrowd.models.errors import ConfigError
 
 EXAMPLE = Path(__file__).resolve().parents[4] / "examples" / "proxy.toml"
 

@@ -9,9 +9,9 @@ from collections.abc import AsyncIterator
 
 import pytest
 import uvloop
+from borrowd.adapters.proxy.http1 import HttpRequest, HttpServer, Responder, start_eagerly
+from borrowd.adapters.proxy.upstream_http import UpstreamClient, UpstreamError
 
-from adapters.proxy.http1 import HttpRequest, HttpServer, Responder, start_eagerly
-from adapters.proxy.upstream_http import UpstreamClient, UpstreamError
 from tests.support.servers import free_port
 
 

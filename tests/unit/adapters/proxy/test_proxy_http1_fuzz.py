@@ -8,10 +8,15 @@ import asyncio
 import itertools
 
 import httptools
+from borrowd.adapters.proxy.http1 import (
+    HttpRequest,
+    HttpServer,
+    Responder,
+    ServerLimits,
+    _Connection,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from adapters.proxy.http1 import HttpRequest, HttpServer, Responder, ServerLimits, _Connection
 
 MAX_BODY = 256
 

@@ -9,8 +9,8 @@ import time
 from collections.abc import AsyncIterator
 
 import pytest
+from borrowd.adapters.proxy.http1 import HttpRequest, HttpServer, Responder, ServerLimits
 
-from adapters.proxy.http1 import HttpRequest, HttpServer, Responder, ServerLimits
 from tests.support.servers import free_port
 
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from adapters.proxy.openai import (
+from borrowd.adapters.proxy.openai import (
     Endpoint,
     FieldError,
     estimate_text_tokens,

@@ -5,9 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from adapters.proxy.openai import Endpoint
-from adapters.proxy.sse import (
+from borrowd.adapters.proxy.openai import Endpoint
+from borrowd.adapters.proxy.sse import (
     PREEMPTED,
     StreamTally,
     event_payload,

@@ -8,19 +8,18 @@ import json
 from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-from adapters.proxy.app import ProxyServer
-from adapters.proxy.config import parse_config
-from adapters.proxy.openai import Endpoint, parse_completion_request
-from adapters.proxy.tokens import (
+from borrowd.adapters.proxy.app import ProxyServer
+from borrowd.adapters.proxy.config import parse_config
+from borrowd.adapters.proxy.openai import Endpoint, parse_completion_request
+from borrowd.adapters.proxy.tokens import (
     MESSAGE_OVERHEAD_TOKENS,
     PromptCounter,
     load_tokenizer,
     trued_up_output_tokens,
     utf8_bytes,
 )
-from models.errors import ConfigError
+from borrowd.models.errors import ConfigError
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 CORPUS = ["hello world the quick brown fox jumps over the lazy dog"] * 50
 

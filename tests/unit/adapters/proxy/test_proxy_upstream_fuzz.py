@@ -7,10 +7,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 
+from borrowd.adapters.proxy.upstream_http import (
+    UpstreamClient,
+    UpstreamResponse,
+    _Connection,
+    _Target,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from adapters.proxy.upstream_http import UpstreamClient, UpstreamResponse, _Connection, _Target
 
 
 class _Transport:

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-
-from adapters.proxy.upstreams import UpstreamPool
+from borrowd.adapters.proxy.upstreams import UpstreamPool
 
 
 def test_least_outstanding_first() -> None:

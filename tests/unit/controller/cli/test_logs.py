@@ -11,11 +11,10 @@ import time
 
 import pytest
 import structlog
-
-from adapters.redis_conn import connect
-from adapters.store import BudgetStore, PoolKeys
-from controller.cli.logs import configure_logging
-from models.budget import Budget, Mode
+from borrowd.adapters.redis_conn import connect
+from borrowd.adapters.store import BudgetStore, PoolKeys
+from borrowd.controller.cli.logs import configure_logging
+from borrowd.models.budget import Budget, Mode
 
 POOL = "p1"
 
@@ -39,7 +38,7 @@ def test_structlog_and_stdlib_records_are_json_lines_with_secrets_redacted(
     stream = io.StringIO()
     configure_logging("info", stream)
     structlog.get_logger("t").warning("store_down", url="redis://u:hunter2@h:6379/0")
-    logging.getLogger("adapters.proxy.app").info("upstream %s refused", "http://x:pw@up:1")
+    logging.getLogger("borrowd.adapters.proxy.app").info("upstream %s refused", "http://x:pw@up:1")
     structlog.get_logger("t").debug("not_shown")
     lines = [json.loads(line) for line in stream.getvalue().splitlines()]
     assert [line["event"] for line in lines] == ["store_down", "upstream http://x:***@up:1 refused"]

@@ -8,14 +8,13 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from controller.cli import main
+from borrowd.controller.cli import main
 
 SECRET = "hunter2"
 
 
 def _borrowd(*argv: str, timeout_s: float = 60.0) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "controller", *argv], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "borrowd.controller", *argv], capture_output=True,
                           text=True, timeout=timeout_s, check=False)
 
 

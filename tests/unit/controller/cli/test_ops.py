@@ -7,14 +7,14 @@ import json
 import time
 
 import pytest
+from borrowd.adapters.gate import Gate
+from borrowd.adapters.pool_registry import PoolRegistry
+from borrowd.adapters.redis_conn import connect
+from borrowd.adapters.store import BudgetStore, LeaderElection
+from borrowd.controller.cli import main, ops
+from borrowd.models.budget import Budget, Mode
+from borrowd.models.errors import BorrowdError, ConfigError, InputError
 
-from adapters.gate import Gate
-from adapters.pool_registry import PoolRegistry
-from adapters.redis_conn import connect
-from adapters.store import BudgetStore, LeaderElection
-from controller.cli import main, ops
-from models.budget import Budget, Mode
-from models.errors import BorrowdError, ConfigError, InputError
 from tests.support.servers import free_port
 
 POOL = "p1"
@@ -164,8 +164,8 @@ def test_registry_round_trip(redis_url) -> None:
 def test_daemon_registers_its_pools_at_start(redis_url) -> None:
     """Building the daemon registers every configured pool under its holder id, so `stop`
     knows them before any leader was elected; with Redis down it starts all the same."""
-    from controller.cli.daemon import build_daemon
-    from controller.config import config_from_mapping
+    from borrowd.controller.cli.daemon import build_daemon
+    from borrowd.controller.config import config_from_mapping
 
     config = config_from_mapping({"daemon": {"holder_id": "ctl-1"},
                                   "pools": [{"name": "chat"}, {"name": "embed"}]})

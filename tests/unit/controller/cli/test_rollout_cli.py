@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from borrowd.controller.cli import main
+from borrowd.controller.cli.report import window_ends
+from borrowd.models.errors import InputError
 
-from controller.cli import main
-from controller.cli.report import window_ends
-from models.errors import InputError
 from tests.support.servers import free_port
 
 DEAD = f"http://127.0.0.1:{free_port()}"

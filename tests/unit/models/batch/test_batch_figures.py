@@ -5,10 +5,9 @@ from __future__ import annotations
 import math
 
 import pytest
-
-from models.batch.figures import CostModel, carried_rate_per_s, per_hour, project_lateness
-from models.batch.openai_format import Status, can_move, completion_window_s
-from models.errors import InputError
+from borrowd.models.batch.figures import CostModel, carried_rate_per_s, per_hour, project_lateness
+from borrowd.models.batch.openai_format import Status, can_move, completion_window_s
+from borrowd.models.errors import InputError
 
 
 def test_carried_rate_uses_the_recent_window() -> None:

@@ -5,8 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from models.batch.input import BatchInputError, InputLimits, parse_input
+from borrowd.models.batch.input import BatchInputError, InputLimits, parse_input
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
 

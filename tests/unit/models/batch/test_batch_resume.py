@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from models.batch.input import CHAT_URL, COMPLETIONS_URL
-from models.batch.resume import ChunkAccumulator, Segment, merge_segments, resume_body
+from borrowd.models.batch.input import CHAT_URL, COMPLETIONS_URL
+from borrowd.models.batch.resume import ChunkAccumulator, Segment, merge_segments, resume_body
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "summarize"}], "max_tokens": 100}
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-
-from models.batch.schedule import FairState, JobRef, charge, edf_order, pick_tenant
-from models.errors import ConfigError
+from borrowd.models.batch.schedule import FairState, JobRef, charge, edf_order, pick_tenant
+from borrowd.models.errors import ConfigError
 
 
 def _run(weights: dict[str, float], dispatches: int, backlogged=None) -> Counter:

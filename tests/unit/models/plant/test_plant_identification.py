@@ -7,13 +7,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from models.errors import InputError
-from models.plant.arx import fit_arx
-from models.plant.excitation import prbs, step_sequence
-from models.plant.fopdt import fit_fopdt, simulate_fopdt
-from models.plant.model import PlantModel, UnusableFitError, identify_plant
-from models.plant.rls import LocalGain
+from borrowd.models.errors import InputError
+from borrowd.models.plant.arx import fit_arx
+from borrowd.models.plant.excitation import prbs, step_sequence
+from borrowd.models.plant.fopdt import fit_fopdt, simulate_fopdt
+from borrowd.models.plant.model import PlantModel, UnusableFitError, identify_plant
+from borrowd.models.plant.rls import LocalGain
 
 
 def fopdt_response(u: np.ndarray, gain: float, tau_s: float, dead_steps: int, dt_s: float,

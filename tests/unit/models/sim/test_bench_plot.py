@@ -6,8 +6,7 @@ from pathlib import Path
 
 import matplotlib
 import pytest
-
-from models.sim.bench import plot
+from borrowd.models.sim.bench import plot
 
 matplotlib.use("Agg")
 

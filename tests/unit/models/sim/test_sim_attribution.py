@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import math
 
-from models.sim.policies import parse_policy
-from models.sim.run import load_inputs
-from models.sim.scenario import SEED
-from models.sim.simulation import Simulation
+from borrowd.models.sim.policies import parse_policy
+from borrowd.models.sim.run import load_inputs
+from borrowd.models.sim.scenario import SEED
+from borrowd.models.sim.simulation import Simulation
 
 SEED_RATE_SCALE = 0.2672
 

@@ -6,9 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
-
-from controller.cli import main
-from models.sim.bench import format_table
+from borrowd.controller.cli import main
+from borrowd.models.sim.bench import format_table
 
 INTERACTIVE_KEYS = {
     "requests", "ttft_p50_s", "ttft_p95_s", "ttft_p99_s", "itl_p50_s", "itl_p95_s",
@@ -30,7 +29,7 @@ def test_sim_writes_the_documented_json(tmp_path: Path, monkeypatch: pytest.Monk
     monkeypatch.setenv("BORROWD_CACHE_DIR", str(tmp_path))
     (tmp_path / "rate_scale.json").write_text("{}")
     out = tmp_path / "run.json"
-    monkeypatch.setattr("models.sim.run.calibrate_rate_scale", lambda *a, **k: 0.2672)
+    monkeypatch.setattr("borrowd.models.sim.run.calibrate_rate_scale", lambda *a, **k: 0.2672)
     rc = main(["sim", "--scenario", "seed", "--policy", "static:5000", "--duration", "120",
                "--seed", "3", "--json", str(out)])
     assert rc == 0

@@ -8,15 +8,14 @@ import random
 from pathlib import Path
 
 import pytest
-
-from controller.cli import main
-from models.budget import Budget, Mode, closed_budget
-from models.errors import InputError
-from models.sim.engine import Engine, EngineConfig
-from models.sim.policies import static_budget
-from models.sim.profiles import H100_LLAMA3_8B
-from models.sim.request import BATCH, INTERACTIVE, Request
-from models.sim.scenario import SEED
+from borrowd.controller.cli import main
+from borrowd.models.budget import Budget, Mode, closed_budget
+from borrowd.models.errors import InputError
+from borrowd.models.sim.engine import Engine, EngineConfig
+from borrowd.models.sim.policies import static_budget
+from borrowd.models.sim.profiles import H100_LLAMA3_8B
+from borrowd.models.sim.request import BATCH, INTERACTIVE, Request
+from borrowd.models.sim.scenario import SEED
 
 
 def make_engine() -> Engine:
@@ -112,7 +111,7 @@ def test_sim_under_engine_enforcement_labels_its_row(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`borrowd sim --enforcement engine` runs, says so in the JSON and in the table."""
-    monkeypatch.setattr("models.sim.run.calibrate_rate_scale", lambda *a, **k: 0.2672)
+    monkeypatch.setattr("borrowd.models.sim.run.calibrate_rate_scale", lambda *a, **k: 0.2672)
     out = tmp_path / "run.json"
     rc = main(["sim", "--scenario", "seed", "--policy", "static:20000", "--duration", "60",
                "--enforcement", "engine", "--json", str(out)])
@@ -128,7 +127,7 @@ def test_sim_under_engine_enforcement_labels_its_row(
 def test_controller_itl_burn_setpoint_follows_the_enforcement(enforcement: str,
                                                                setpoint: float) -> None:
     """Engine enforcement gets its own ITL burn setpoint; admission keeps the default."""
-    from controller.closed_loop import controller_config
+    from borrowd.controller.closed_loop import controller_config
 
     config = controller_config("pi", SEED.with_overrides(enforcement=enforcement))
     assert config.pi.setpoint_itl_burn == setpoint

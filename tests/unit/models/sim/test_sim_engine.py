@@ -5,11 +5,10 @@ from __future__ import annotations
 import random
 
 import pytest
-
-from models.errors import ConfigError
-from models.sim.engine import FCFS, PRIORITY, Engine, EngineConfig
-from models.sim.profiles import H100_LLAMA3_8B
-from models.sim.request import BATCH, FINISHED, INTERACTIVE, REFUSED, Request
+from borrowd.models.errors import ConfigError
+from borrowd.models.sim.engine import FCFS, PRIORITY, Engine, EngineConfig
+from borrowd.models.sim.profiles import H100_LLAMA3_8B
+from borrowd.models.sim.request import BATCH, FINISHED, INTERACTIVE, REFUSED, Request
 
 
 def make_engine(**overrides: object) -> Engine:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from models.budget import Budget, Mode
-from models.sim.policies import PolicySpec
-from models.sim.run import load_inputs
-from models.sim.scenario import ENGINE, SEED
-from models.sim.simulation import Simulation
+from borrowd.models.budget import Budget, Mode
+from borrowd.models.sim.policies import PolicySpec
+from borrowd.models.sim.run import load_inputs
+from borrowd.models.sim.scenario import ENGINE, SEED
+from borrowd.models.sim.simulation import Simulation
 
 
 def budget(mode: Mode, rate: float) -> Budget:

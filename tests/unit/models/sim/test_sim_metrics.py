@@ -6,9 +6,8 @@ import math
 
 import numpy as np
 import pytest
-
-from models.signals import Slo
-from models.sim.metrics import (
+from borrowd.models.signals import Slo
+from borrowd.models.sim.metrics import (
     Recorder,
     quantile,
     slo_met,

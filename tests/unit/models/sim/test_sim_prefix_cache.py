@@ -5,11 +5,10 @@ from __future__ import annotations
 import random
 
 import pytest
-
-from models.sim.engine import FCFS, PRIORITY, Engine, EngineConfig
-from models.sim.prefix_cache import BlockPool, block_hash
-from models.sim.profiles import H100_LLAMA3_8B
-from models.sim.request import BATCH, FINISHED, INTERACTIVE, Request
+from borrowd.models.sim.engine import FCFS, PRIORITY, Engine, EngineConfig
+from borrowd.models.sim.prefix_cache import BlockPool, block_hash
+from borrowd.models.sim.profiles import H100_LLAMA3_8B
+from borrowd.models.sim.request import BATCH, FINISHED, INTERACTIVE, Request
 
 
 def make_engine(**overrides: object) -> Engine:
@@ -176,8 +175,8 @@ def test_mooncake_trace_with_shared_prefixes_costs_less_prefill(tmp_path) -> Non
     busy with prefix caching on than off, at the same arrivals and the same figures else."""
     import json
 
-    from models.sim.run import run_scenario
-    from models.sim.scenario import SEED
+    from borrowd.models.sim.run import run_scenario
+    from borrowd.models.sim.scenario import SEED
 
     lines = [
         json.dumps({"timestamp": 300 * i, "input_length": 4096 + 300, "output_length": 30,
@@ -198,10 +197,10 @@ def test_mooncake_trace_with_shared_prefixes_costs_less_prefill(tmp_path) -> Non
 
 def test_multi_turn_scenario_runs() -> None:
     """The multi-turn shape of the chat trace runs, and its turns hit the prefix cache."""
-    from models.sim.policies import parse_policy
-    from models.sim.run import load_inputs
-    from models.sim.scenario import SEED
-    from models.sim.simulation import Simulation
+    from borrowd.models.sim.policies import parse_policy
+    from borrowd.models.sim.run import load_inputs
+    from borrowd.models.sim.scenario import SEED
+    from borrowd.models.sim.simulation import Simulation
 
     scenario = SEED.with_overrides(interactive_shape="multi-turn", replicas=1, burst=None)
     trace, _ = load_inputs(scenario)

@@ -7,10 +7,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from models.errors import InputError
-from models.sim.profile_builtins import RECIPES, write_builtins
-from models.sim.profile_fit import (
+from borrowd.models.errors import InputError
+from borrowd.models.sim.profile_builtins import RECIPES, write_builtins
+from borrowd.models.sim.profile_fit import (
     GPUS,
     VIDUR_DIR,
     attention_constants,
@@ -20,7 +19,7 @@ from models.sim.profile_fit import (
     profile_toml,
     step_seconds,
 )
-from models.sim.profiles import PROFILES, PROFILES_DIR, get_profile, load_profile
+from borrowd.models.sim.profiles import PROFILES, PROFILES_DIR, get_profile, load_profile
 
 
 def test_shipped_profiles_are_what_the_recipes_fit(tmp_path: Path) -> None:
@@ -141,7 +140,7 @@ def test_profile_fit_cli_writes_a_usable_profile(tmp_path: Path,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     """`borrowd profile fit` prints the held-out error and writes a profile file that
     `get_profile` loads; a missing --layers is one line and exit 2."""
-    from controller.cli import main
+    from borrowd.controller.cli import main
 
     out = tmp_path / "mine.toml"
     source = str(VIDUR_DIR / "a100-meta-llama-3-70b.csv.gz")

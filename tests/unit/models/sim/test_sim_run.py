@@ -7,15 +7,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-
-from models.budget import Budget, Mode, closed_budget
-from models.sim.engine import Engine, EngineConfig
-from models.sim.policies import PolicySpec, parse_policy, static_budget
-from models.sim.profiles import H100_LLAMA3_8B
-from models.sim.request import INTERACTIVE, Request
-from models.sim.run import calibrate_rate_scale, load_inputs, run_scenario
-from models.sim.scenario import SEED, SEED_FAILURE
-from models.sim.simulation import Simulation
+from borrowd.models.budget import Budget, Mode, closed_budget
+from borrowd.models.sim.engine import Engine, EngineConfig
+from borrowd.models.sim.policies import PolicySpec, parse_policy, static_budget
+from borrowd.models.sim.profiles import H100_LLAMA3_8B
+from borrowd.models.sim.request import INTERACTIVE, Request
+from borrowd.models.sim.run import calibrate_rate_scale, load_inputs, run_scenario
+from borrowd.models.sim.scenario import SEED, SEED_FAILURE
+from borrowd.models.sim.simulation import Simulation
 
 # A rate scale near what calibrate_rate_scale finds for `seed` (0.40 busy); fixed so the tests
 # do not pay for the calibration runs.
@@ -195,7 +194,7 @@ def test_calibration_reaches_target_load() -> None:
     scenario = SEED.with_overrides(calibration_s=60.0, interactive_load=0.3)
     trace, _ = load_inputs(scenario)
     scale = calibrate_rate_scale(scenario, trace)
-    from models.sim.run import busy_fraction
+    from borrowd.models.sim.run import busy_fraction
 
     assert busy_fraction(scenario, trace, scale, "native", 60.0) == pytest.approx(0.3, abs=0.01)
 
@@ -205,7 +204,7 @@ def test_calibration_is_deterministic(monkeypatch: pytest.MonkeyPatch) -> None:
     whatever the trace file is called, with no file written anywhere."""
     import dataclasses
 
-    from models.sim import run as run_module
+    from borrowd.models.sim import run as run_module
 
     scenario = SEED.with_overrides(calibration_s=60.0, interactive_load=0.35)
     trace, _ = load_inputs(scenario)
@@ -224,7 +223,7 @@ def test_calibration_is_deterministic(monkeypatch: pytest.MonkeyPatch) -> None:
 )
 def test_bad_policy_names(name: str, message: str) -> None:
     """A bad policy name raises InputError naming it."""
-    from models.errors import InputError
+    from borrowd.models.errors import InputError
 
     with pytest.raises(InputError, match=message):
         parse_policy(name, SEED)
@@ -232,7 +231,7 @@ def test_bad_policy_names(name: str, message: str) -> None:
 
 def test_fixed_rate_batch_submission() -> None:
     """With a fixed batch submission rate, batch completes at about that rate."""
-    from models.sim.scenario import RATE, BatchWorkload
+    from borrowd.models.sim.scenario import RATE, BatchWorkload
 
     scenario = SEED.with_overrides(batch=BatchWorkload(mode=RATE, submit_rate_per_s=0.5))
     s = run_scenario(scenario, "priority", duration_s=300.0, seed=2,

@@ -6,10 +6,9 @@ import json
 from pathlib import Path
 
 import pytest
-
-from controller.cli import main
-from models.errors import InputError
-from models.sim.scenario import (
+from borrowd.controller.cli import main
+from borrowd.models.errors import InputError
+from borrowd.models.sim.scenario import (
     KEYS,
     SEED,
     SEED_FAILURE,
@@ -18,7 +17,7 @@ from models.sim.scenario import (
     load_scenario_file,
     with_slo,
 )
-from models.sim.trace import resolve_trace
+from borrowd.models.sim.trace import resolve_trace
 
 
 def test_builtin_names_load_their_files() -> None:
@@ -174,7 +173,7 @@ def test_someone_elses_fleet_runs_under_bench(tmp_path: Path,
 
 def test_profile_file_beside_the_scenario(tmp_path: Path) -> None:
     """`profile` may name a profile file relative to the scenario file."""
-    from models.sim.profiles import PROFILES_DIR, get_profile
+    from borrowd.models.sim.profiles import PROFILES_DIR, get_profile
 
     (tmp_path / "gpu.toml").write_text((PROFILES_DIR / "a100-llama3-8b.toml").read_text())
     path = tmp_path / "fleet.toml"

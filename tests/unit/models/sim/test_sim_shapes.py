@@ -6,9 +6,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from models.errors import InputError
-from models.sim.shapes import (
+from borrowd.models.errors import InputError
+from borrowd.models.sim.shapes import (
     HELD_OUT,
     SHAPES,
     TUNE,
@@ -23,7 +22,7 @@ from models.sim.shapes import (
     warp_arrivals,
     write_jsonl,
 )
-from models.sim.trace import Trace, load_trace
+from borrowd.models.sim.trace import Trace, load_trace
 
 
 def _trace() -> Trace:

@@ -7,11 +7,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from models.errors import InputError
-from models.sim.conversations import multi_turn, shared_prefix_frac
-from models.sim.scenario import BatchWorkload
-from models.sim.trace import (
+from borrowd.models.errors import InputError
+from borrowd.models.sim.conversations import multi_turn, shared_prefix_frac
+from borrowd.models.sim.scenario import BatchWorkload
+from borrowd.models.sim.trace import (
     PACKAGED_TRACES_DIR,
     Trace,
     load_lengths,
@@ -19,7 +18,7 @@ from models.sim.trace import (
     resolve_trace,
     traces_dir,
 )
-from models.sim.workload import BatchSource, interactive_arrivals
+from borrowd.models.sim.workload import BatchSource, interactive_arrivals
 
 AZURE = """TIMESTAMP,ContextTokens,GeneratedTokens
 2023-11-16 18:15:46.6805900,374,44

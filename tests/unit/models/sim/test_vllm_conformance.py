@@ -9,10 +9,11 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs the optional vLLM extra (see .ci/run)")
 
-from models.sim.engine import Engine
-from models.sim.profiles import H100_LLAMA3_8B
-from models.sim.request import BATCH, FINISHED, INTERACTIVE, REFUSED, Request
-from models.sim.vllm_core import VllmEngine
+from borrowd.models.sim.engine import Engine
+from borrowd.models.sim.profiles import H100_LLAMA3_8B
+from borrowd.models.sim.request import BATCH, FINISHED, INTERACTIVE, REFUSED, Request
+from borrowd.models.sim.vllm_core import VllmEngine
+
 from tests.support import vllm_harness as h
 
 pytestmark = pytest.mark.vllm
@@ -134,8 +135,8 @@ def test_vllm_engine_abort_frees_kv() -> None:
 @pytest.mark.parametrize("policy", ["priority", "unrestricted"])
 def test_seed_scenario_runs_alike_on_both_cores(policy: str) -> None:
     """A short `seed` run gives the same figures on the native core and on vLLM's scheduler."""
-    from models.sim.run import run_scenario
-    from models.sim.scenario import get_scenario
+    from borrowd.models.sim.run import run_scenario
+    from borrowd.models.sim.scenario import get_scenario
 
     scenario = get_scenario("seed")
     figures = {}
