@@ -46,7 +46,11 @@ from borrowd.adapters.loadgen import LoadgenConfig, run_load, summarize
 from borrowd.adapters.redis_conn import connect, redact_url, resolve_redis_url
 from borrowd.adapters.store import BudgetStore
 from borrowd.controller.cli.ops import require_known_pool
-from borrowd.controller.cli.report import DEFAULT_PROMETHEUS, PROMETHEUS_ENV
+from borrowd.controller.cli.report import (
+    DEFAULT_PROMETHEUS,
+    PROMETHEUS_ENV,
+    add_fleet_arguments,
+)
 from borrowd.controller.pool_figures import instant, recorded_p95s
 from borrowd.controller.prom_source import PromClient, check_window, connect_prometheus
 from borrowd.models.errors import BorrowdError, InputError
@@ -87,13 +91,7 @@ class StopDrill:
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--pool", required=True, help="pool name")
-    parser.add_argument("--redis", default=None, metavar="URL",
-                        help="Redis URL (default: $BORROWD_REDIS_URL, then "
-                             "redis://127.0.0.1:6379/0)")
-    parser.add_argument("--prometheus", metavar="URL", default=None,
-                        help=f"Prometheus base URL (default ${PROMETHEUS_ENV}, then "
-                             f"{DEFAULT_PROMETHEUS})")
+    add_fleet_arguments(parser)
     parser.add_argument("--window", default="15s",
                         help="recording-rule window of the p95s read (15s or 1m; default 15s)")
     parser.add_argument("--slo-ttft-s", type=float, default=1.0, help="p95 TTFT SLO, s")

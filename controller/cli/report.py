@@ -32,6 +32,22 @@ CLASS_FIELDS = ("prompt_tokens", "output_tokens", "succeeded", "failed", "revoke
                 "ttft_p95_s", "ttft_p99_s", "itl_p95_s", "itl_p99_s")
 
 
+def add_prometheus_argument(parser: argparse.ArgumentParser) -> None:
+    """`--prometheus URL`, defaulting to $BORROWD_PROMETHEUS_URL, then the local one."""
+    parser.add_argument("--prometheus", metavar="URL", default=None,
+                        help=f"Prometheus base URL (default ${PROMETHEUS_ENV}, then "
+                             f"{DEFAULT_PROMETHEUS})")
+
+
+def add_fleet_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--pool`, `--redis` and `--prometheus`: what the rollout tools read and write."""
+    parser.add_argument("--pool", required=True, help="pool name")
+    parser.add_argument("--redis", default=None, metavar="URL",
+                        help="Redis URL (default: $BORROWD_REDIS_URL, then "
+                             "redis://127.0.0.1:6379/0)")
+    add_prometheus_argument(parser)
+
+
 @dataclass(frozen=True)
 class Figure:
     """One per-window figure: its PromQL and the value of a window with no series."""
@@ -174,9 +190,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="period start: unix seconds or ISO 8601")
     report.add_argument("--to", dest="end", required=True,
                         help="period end: unix seconds or ISO 8601")
-    report.add_argument("--prometheus", metavar="URL", default=None,
-                        help=f"Prometheus base URL (default ${PROMETHEUS_ENV}, then "
-                             f"{DEFAULT_PROMETHEUS})")
+    add_prometheus_argument(report)
     report.add_argument("--out", type=Path, required=True, help="HTML file to write")
     report.add_argument("--json", dest="json_out", type=Path, help="JSON file to write")
     report.add_argument("--window-s", type=float, default=60.0,

@@ -24,7 +24,11 @@ import redis
 from borrowd.adapters.ceiling import read_ceiling, rollout_key, write_ceiling, write_record
 from borrowd.adapters.redis_conn import connect, redact_url, resolve_redis_url
 from borrowd.controller.cli.ops import require_known_pool
-from borrowd.controller.cli.report import DEFAULT_PROMETHEUS, PROMETHEUS_ENV
+from borrowd.controller.cli.report import (
+    DEFAULT_PROMETHEUS,
+    PROMETHEUS_ENV,
+    add_fleet_arguments,
+)
 from borrowd.controller.pool_figures import figures_over, instant, recorded_p95s, sample_rates
 from borrowd.controller.prom_source import PromClient, check_window, connect_prometheus
 from borrowd.models.errors import BorrowdError, InputError
@@ -75,13 +79,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "rollout", help="raise a pool's batch budget ceiling in measured steps",
         description=" ".join(__doc__.split("\n\n")[1].split()) if __doc__ else None)
-    parser.add_argument("--pool", required=True, help="pool name")
-    parser.add_argument("--redis", default=None, metavar="URL",
-                        help="Redis URL (default: $BORROWD_REDIS_URL, then "
-                             "redis://127.0.0.1:6379/0)")
-    parser.add_argument("--prometheus", metavar="URL", default=None,
-                        help=f"Prometheus base URL (default ${PROMETHEUS_ENV}, then "
-                             f"{DEFAULT_PROMETHEUS})")
+    add_fleet_arguments(parser)
     parser.add_argument("--steps", help="ceilings in tokens/s, comma-separated, increasing "
                                         "(else --first/--growth/--max)")
     parser.add_argument("--first-tokens-per-s", type=float, default=2000.0,
