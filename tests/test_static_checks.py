@@ -29,6 +29,9 @@ def test_mypy_is_clean(tmp_path: Path) -> None:
     names its error code, and none is unused), checked as the `borrowd` package they
     install as: a folder of links `borrowd/{controller,adapters,models}` stands in for
     the installed namespace, which mypy cannot see through setuptools' editable finder."""
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("mypy checks the engine plugin against vLLM's types: needs the vllm extra "
+                    "(see .ci/run)")
     namespace = tmp_path / "borrowd"
     namespace.mkdir()
     for folder in FOLDERS:
