@@ -170,8 +170,9 @@ def test_killed_leader_stops_batch_and_standby_takes_over(stack: dict) -> None:
     wait_for(lambda: (b := record(stack)) and b.admits_batch, 30, "the budget to open")
     holder = holder_of(stack["client"].get(PoolKeys(POOL).leader))
     leader, standby = daemons[holder], daemons["b" if holder == "a" else "a"]
-    wait_for(lambda: metric_value(standby, 'borrowd_mode{mode="open",pool="chat"}') == 1.0, 15,
-             "the standby's own decision to be open too (warm)")
+    wait_for(lambda: metric_value(standby, 'borrowd_mode{mode="open",pool="chat"}') == 1.0
+             and metric_value(standby, 'borrowd_budget_tokens_per_s{pool="chat"}') > 0, 15,
+             "the standby's own decision to be open with a budget too (warm)")
     assert metric_value(standby, 'borrowd_leader{pool="chat"}') == 0.0
     assert admits(gate)
     old = record(stack)
@@ -188,11 +189,16 @@ def test_killed_leader_stops_batch_and_standby_takes_over(stack: dict) -> None:
     takeover_s = time.time() - killed_s
     assert takeover_s <= TTL_MS / 1000 + 3 * TICK_S
     assert holder_of(stack["client"].get(PoolKeys(POOL).leader)) != holder
-    assert taken.admits_batch, taken
+    # The standby's own decision can sit at 0 for a tick or two after the takeover: its
+    # ramp may hand over to a law still at 0 ("law below the ramp"; issue 12 follow-up).
+    wait_for(lambda: (b := record(stack)) and b.epoch == taken.epoch and b.admits_batch,
+             5.0, f"the standby's budget to admit batch (first record: {taken})")
     assert metric_value(standby, 'borrowd_leader{pool="chat"}') == 1.0
 
     standby.kill(signal.SIGKILL)
     killed_s = time.time()
-    wait_for(lambda: not admits(gate), TTL_MS / 1000 + 1.0, "batch admissions to stop")
+    # The record lapses on its own lease (a small budget can also refuse earlier, from an
+    # empty bucket, so the lease is what is timed).
+    wait_for(lambda: record(stack) is None, TTL_MS / 1000 + 1.0, "the last record to lapse")
     assert time.time() - killed_s <= TTL_MS / 1000 + 0.2
-    assert record(stack) is None
+    assert not admits(gate)
