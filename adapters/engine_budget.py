@@ -59,6 +59,7 @@ class PluginConfig:
     poll_s: float = DEFAULT_POLL_S
     min_batch_tokens_per_step: int = DEFAULT_MIN_BATCH_TOKENS_PER_STEP
     engines_in_pool: int = 1
+    metrics_listen: tuple[str, int] | None = None
 
     def __post_init__(self) -> None:
         if not self.pool:
@@ -77,7 +78,8 @@ class PluginConfig:
     def from_env(cls, env: Mapping[str, str] | None = None) -> PluginConfig:
         """Read `BORROWD_POOL` (required), `BORROWD_REDIS_URL`, `BORROWD_BATCH_PRIORITY`,
         `BORROWD_BUDGET_POLL_S`, `BORROWD_MIN_BATCH_TOKENS_PER_STEP`, `BORROWD_POOL_ENGINES`
-        (how many engines share the pool's budget, default 1)."""
+        (how many engines share the pool's budget, default 1), `BORROWD_METRICS_LISTEN`
+        (HOST:PORT of the plugin's own /metrics, default none)."""
         from borrowd.adapters.redis_conn import resolve_redis_url
 
         env = os.environ if env is None else env
@@ -90,7 +92,18 @@ class PluginConfig:
             min_batch_tokens_per_step=_env_number(env, "BORROWD_MIN_BATCH_TOKENS_PER_STEP", int,
                                                   DEFAULT_MIN_BATCH_TOKENS_PER_STEP),
             engines_in_pool=_env_number(env, "BORROWD_POOL_ENGINES", int, 1),
+            metrics_listen=_env_listen(env, "BORROWD_METRICS_LISTEN"),
         )
+
+
+def _env_listen(env: Mapping[str, str], name: str) -> tuple[str, int] | None:
+    text = env.get(name)
+    if text is None or text == "":
+        return None
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{name} must be HOST:PORT, got {text!r}")
+    return host, int(port)
 
 
 def _env_number(env: Mapping[str, str], name: str, kind: type[N], default: N) -> N:

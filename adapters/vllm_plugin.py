@@ -26,7 +26,13 @@ or closed record means zero batch tokens. The record is read off the scheduling 
 Environment: `BORROWD_POOL` (required), `BORROWD_REDIS_URL` (default
 redis://127.0.0.1:6379/0), `BORROWD_BATCH_PRIORITY` (10), `BORROWD_BUDGET_POLL_S` (1.0),
 `BORROWD_MIN_BATCH_TOKENS_PER_STEP` (16, the floor; never below one decode with all its
-speculative tokens), `BORROWD_POOL_ENGINES` (1).
+speculative tokens), `BORROWD_POOL_ENGINES` (1), `BORROWD_METRICS_LISTEN` (HOST:PORT where
+the engine core serves the interference series of `adapters.interference`; the port is
+offset by the engine's data-parallel rank; unset: not served).
+
+Each step it counts, by whether the step carried batch tokens, the interactive inter-token
+gaps it ended and the interactive queue wait it held (`adapters.interference`): vLLM's own
+metrics are exported by the API server process, these by the engine core that schedules.
 
 The cap is applied where vLLM decides each request's chunk, the private
 `_reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)` (vLLM 0.28 to
@@ -48,6 +54,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from borrowd.adapters.engine_budget import (
+    INITIAL_STEP_S,
     BudgetSource,
     PluginConfig,
     StepTimer,
@@ -55,7 +62,9 @@ from borrowd.adapters.engine_budget import (
     batch_tokens_per_step,
     engine_share,
 )
+from borrowd.adapters.interference import InterferenceMetrics, StepAttribution, StepRequest
 from borrowd.models.budget import Budget
+from prometheus_client import CollectorRegistry, start_http_server
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
@@ -125,6 +134,10 @@ class BudgetEnforcement(_SchedulerBase):
         self._batch_running = 0  # batch requests running when this step began
         self._batch_admitted = 0  # waiting batch requests granted tokens this step
         self._batch_kv_tokens = 0  # prompt + max output of running and admitted batch
+        self.metrics_registry = CollectorRegistry()
+        self.attribution: StepAttribution | None = None
+        if step_clock is not None:  # interference is timed on the wall clock
+            self.attribution = self._start_attribution()
 
     def _start_watcher(self) -> BudgetSource:
         from borrowd.adapters.redis_conn import connect
@@ -135,6 +148,17 @@ class BudgetEnforcement(_SchedulerBase):
                                 clock=self._clock).start()
         self._watcher = watcher
         return watcher
+
+    def _start_attribution(self) -> StepAttribution:
+        served = self.vllm_config.model_config.served_model_name
+        model_name = str(served[0] if isinstance(served, list) and served else served)
+        rank = self.vllm_config.parallel_config.data_parallel_rank
+        metrics = InterferenceMetrics(self.metrics_registry, model_name, str(rank))
+        listen = self.plugin_config.metrics_listen
+        if listen is not None:
+            host, port = listen
+            start_http_server(port + rank, host, registry=self.metrics_registry)
+        return StepAttribution(metrics, INITIAL_STEP_S)
 
     def is_batch(self, request: Request) -> bool:
         """True for a batch request (priority at or past the configured batch priority)."""
@@ -167,10 +191,25 @@ class BudgetEnforcement(_SchedulerBase):
         return out
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
-        """vLLM's update, timing the step that just ended."""
-        if self._step_clock is not None and scheduler_output.total_num_scheduled_tokens > 0:
-            self.step_timer.finished(self._step_clock())
-        return super().update_from_output(scheduler_output, model_runner_output)
+        """vLLM's update, timing the step that just ended and counting its interference."""
+        if self._step_clock is None or scheduler_output.total_num_scheduled_tokens == 0:
+            return super().update_from_output(scheduler_output, model_runner_output)
+        now_s = self._step_clock()
+        self.step_timer.finished(now_s)
+        scheduled = [
+            (req, req.num_output_tokens) for rid in scheduler_output.num_scheduled_tokens
+            if (req := self.requests.get(rid)) is not None
+        ]
+        out = super().update_from_output(scheduler_output, model_runner_output)
+        if self.attribution is not None:
+            self.attribution.finished(
+                now_s,
+                [StepRequest(req.request_id, self.is_batch(req), req.num_output_tokens > before,
+                             req.num_output_tokens == 0) for req, before in scheduled],
+                sum(1 for req in self.waiting if not self.is_batch(req)),
+                self.requests,
+            )
+        return out
 
     def _reserve_prefill_lookahead(
         self, request: Request, num_computed_tokens: int, num_new_tokens: int

@@ -1,7 +1,8 @@
 """The emulator's OpenAI-compatible HTTP server (`borrowd emulate`).
 
 Serves `/v1/completions` and `/v1/chat/completions` (streaming and not), `/v1/models`,
-`/metrics` (vLLM's names) and `/health`, like `vllm serve`. Semantics:
+`/metrics` (vLLM's names, and the interference series of `adapters.interference`) and
+`/health`, like `vllm serve`. Semantics:
 
 - Prompt length: `borrowd_prompt_tokens` when given, else the estimate of
   `adapters.proxy.openai` (whitespace words, about 4 characters per token).
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 from aiohttp import web
 from borrowd.adapters.emulator.metrics import VllmMetrics
 from borrowd.adapters.emulator.runtime import FINISHED, RealTimeEngine, Tracked
+from borrowd.adapters.interference import InterferenceMetrics
 from borrowd.adapters.proxy.openai import (
     CompletionRequest,
     Endpoint,
@@ -99,9 +101,13 @@ class EmulatorServer:
         self.config = config
         self.registry = CollectorRegistry()
         engine = config.build_engine()
-        self.metrics = VllmMetrics(self.registry, config.model_name, str(config.engine_index),
-                                   engine.config.max_model_len)
-        self.runtime = RealTimeEngine(engine, self.metrics, time_scale=config.time_scale)
+        engine_label = str(config.engine_index)
+        self.metrics = VllmMetrics(self.registry, config.model_name, engine_label,
+                                   engine.config.max_model_len, engine.config.block_size,
+                                   engine.config.num_gpu_blocks)
+        self.interference = InterferenceMetrics(self.registry, config.model_name, engine_label)
+        self.runtime = RealTimeEngine(engine, self.metrics, self.interference,
+                                      time_scale=config.time_scale)
         self._task: asyncio.Task | None = None
 
     def build_app(self) -> web.Application:

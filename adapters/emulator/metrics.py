@@ -2,7 +2,9 @@
 
 Mirrors `vllm/v1/metrics/loggers.py` (`PrometheusStatLogger`): labels `model_name` and
 `engine`, `vllm:request_success_total` with `finished_reason` (stop | length | abort), and
-the TTFT, inter-token and request latency buckets of `adapters.proxy.buckets`.
+the TTFT, inter-token and request latency buckets of `adapters.proxy.buckets`, and
+`vllm:cache_config_info` (an info gauge at 1 whose labels `block_size`, `num_gpu_blocks` and
+`kv_cache_size_tokens` give the engine's KV capacity, labels as vLLM's: no `model_name`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ class VllmMetrics:
     """The `vllm:*` series of one engine, children bound to (model_name, engine)."""
 
     def __init__(self, registry: CollectorRegistry, model_name: str, engine: str,
-                 max_model_len: int) -> None:
+                 max_model_len: int, block_size: int, num_gpu_blocks: int) -> None:
         labels = ["model_name", "engine"]
         values = (model_name, engine)
 
@@ -80,3 +82,7 @@ class VllmMetrics:
         self.decode = histogram("vllm:request_decode_time_seconds",
                                 "Histogram of time spent in DECODE phase for request.",
                                 REQUEST_LATENCY_BUCKETS_S)
+        cache_info = {"block_size": str(block_size), "num_gpu_blocks": str(num_gpu_blocks),
+                      "kv_cache_size_tokens": str(block_size * num_gpu_blocks), "engine": engine}
+        Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+              list(cache_info), registry=registry).labels(**cache_info).set(1)

@@ -3,7 +3,9 @@
 Each step is computed at once (`Engine.step`), then the loop sleeps the step's duration from
 the profile, scaled by `time_scale` (wall seconds per simulated second; 0.1 runs ten times
 faster), and delivers the step's tokens to the requests' queues. Aborts take effect at once
-(the step already finished in the engine), freeing the request's KV blocks.
+(the step already finished in the engine), freeing the request's KV blocks. Each step also
+counts its interactive gaps and queue wait by whether it carried batch tokens
+(`adapters.interference`), in wall seconds as the latency histograms.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from borrowd.adapters.emulator.metrics import VllmMetrics
+from borrowd.adapters.interference import InterferenceMetrics
 from borrowd.models.sim.engine import Engine
 from borrowd.models.sim.request import BATCH, INTERACTIVE, Request
 
@@ -38,12 +41,13 @@ class Tracked:
 class RealTimeEngine:
     """One emulated replica: add, abort, and a `run()` task that steps in real time."""
 
-    def __init__(self, engine: Engine, metrics: VllmMetrics, *, time_scale: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, engine: Engine, metrics: VllmMetrics, interference: InterferenceMetrics,
+                 *, time_scale: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
         if time_scale <= 0:
             raise ValueError(f"time_scale must be > 0, got {time_scale}")
         self.engine = engine
         self.metrics = metrics
+        self.interference = interference
         self.time_scale = time_scale
         self.clock = clock
         self.tracked: dict[str, Tracked] = {}
@@ -119,6 +123,7 @@ class RealTimeEngine:
             if result.preempted:
                 metrics.preemptions.inc(len(result.preempted))
             emitted = 0
+            interactive_gaps_s = []
             for req in result.emitted:
                 item = tracked.get(req.request_id)
                 if item is None:
@@ -130,9 +135,15 @@ class RealTimeEngine:
                     metrics.prompt_tokens.inc(req.prompt_tokens)
                 else:
                     metrics.itl.observe(now_s - item.last_token_s)
+                    if req.klass == INTERACTIVE:
+                        interactive_gaps_s.append(now_s - item.last_token_s)
                 item.last_token_s = now_s
                 item.queue.put_nowait(req.output_tokens)
             metrics.generation_tokens.inc(emitted)
+            self.interference.step(
+                carried_batch=result.batch_tokens > 0, itl_gaps_s=interactive_gaps_s,
+                interactive_waiting=result.interactive_waiting, step_s=now_s - start_s,
+            )
             for req in result.finished:
                 item = tracked.pop(req.request_id, None)
                 if item is None:

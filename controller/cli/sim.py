@@ -14,7 +14,7 @@ from pathlib import Path
 from borrowd.controller.closed_loop import SimControllers
 from borrowd.controller.config import load_config
 from borrowd.models.errors import InputError
-from borrowd.models.sim.bench import format_table, plot, run_bench
+from borrowd.models.sim.bench import format_group_table, format_table, plot, run_bench
 from borrowd.models.sim.cores import DEFAULT_ENGINE, ENGINE_CORES
 from borrowd.models.sim.profiles import get_profile
 from borrowd.models.sim.run import run_scenario, slo_json
@@ -123,6 +123,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
     if args.json:
         args.json.write_text(json.dumps(summary, indent=1) + "\n")
     print(format_table([summary]))
+    _print_groups([summary])
     return 0
 
 
@@ -150,9 +151,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
         f"success {scenario.slo.success_rate:g}"
     )
     print(format_table(report["rows"], speed=not args.no_speed))  # type: ignore[arg-type]
+    _print_groups(report["rows"])  # type: ignore[arg-type]
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n")
     if args.plot:
         plot(report["rows"], args.plot, scenario.slo.ttft_p95_s,  # type: ignore[arg-type]
              scenario.slo.itl_p95_s)
     return 0
+
+
+def _print_groups(rows: list[dict[str, object]]) -> None:
+    """Interactive latency per replica group, when the scenario restricts batch."""
+    table = format_group_table(rows)
+    if table is not None:
+        print("\ninteractive latency per replica group (batch-eligible replicas, the others):")
+        print(table)

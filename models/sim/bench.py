@@ -212,6 +212,38 @@ def format_table(rows: Sequence[dict[str, object]], *, speed: bool = True) -> st
     return "\n".join(lines)
 
 
+GROUP_COLUMNS = (
+    ("ttft p95 s", "ttft_p95_s", "{:.3f}", 1.0),
+    ("ttft p99 s", "ttft_p99_s", "{:.3f}", 1.0),
+    ("itl p95 ms", "itl_p95_s", "{:.1f}", 1000.0),
+    ("itl p99 ms", "itl_p99_s", "{:.1f}", 1000.0),
+    ("success", "success_rate", "{:.4f}", 1.0),
+    ("requests", "requests", "{}", 1.0),
+)
+
+
+def format_group_table(rows: Sequence[dict[str, object]]) -> str | None:
+    """Interactive latency per replica group (batch-eligible replicas, the others) of each
+    run as a Markdown table; None when no run restricts batch to some replicas."""
+    lines = []
+    for row in rows:
+        for group in cast(list[dict[str, object]], row.get("replica_groups") or []):
+            replicas = ",".join(str(r) for r in cast(list[int], group["replicas"]))
+            cells = [str(row["policy"]), f"{group['group']} ({replicas})"]
+            for _, key, fmt, scale in GROUP_COLUMNS:
+                v = group.get(key)
+                if not isinstance(v, int | float) or (isinstance(v, float) and math.isnan(v)):
+                    cells.append("-")
+                else:
+                    cells.append(fmt.format(v * scale if scale != 1.0 else v))
+            lines.append("| " + " | ".join(cells) + " |")
+    if not lines:
+        return None
+    head = ["policy", "replicas", *(c[0] for c in GROUP_COLUMNS)]
+    return "\n".join(["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|",
+                      *lines])
+
+
 def plot(rows: Sequence[dict[str, object]], path: Path, slo_ttft_s: float,
          slo_itl_s: float) -> None:
     """Per-window p95 TTFT, p95 ITL, GPU busy fraction and batch tokens/s of each run, one

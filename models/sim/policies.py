@@ -4,7 +4,8 @@
 - `unrestricted`: batch admitted freely (up to the client's concurrency), FCFS engines.
 - `priority`: batch admitted freely, engines on the priority policy, batch at lower priority.
 - `static:R[:S]`: priority engines plus a constant budget of R batch tokens/s and a cap of S
-  batch sequences (default 8 per replica), through the same gate a controller drives.
+  batch sequences (default 8 per replica that may take batch), through the same gate a
+  controller drives.
 - any other name: a closed-loop controller from the `ControllerCatalog` the caller passes
   in (the CLI passes `controller.closed_loop`'s; nothing here imports the controller).
 """
@@ -69,8 +70,10 @@ def free_budget(scenario: Scenario) -> Budget:
 
 
 def static_budget(scenario: Scenario, tokens_per_s: float, seqs: int | None = None) -> Budget:
-    """A constant budget: R tokens/s, a bucket of 2 s of R (at least one largest request)."""
-    seqs = STATIC_SEQS_PER_REPLICA * scenario.replicas if seqs is None else seqs
+    """A constant budget: R tokens/s, a bucket of 2 s of R (at least one largest request),
+    S sequences (default 8 per replica eligible for batch)."""
+    if seqs is None:
+        seqs = STATIC_SEQS_PER_REPLICA * len(scenario.batch_replicas())
     largest = scenario.batch.prompt_clip_tokens + scenario.batch.output_clip_tokens
     return Budget(
         pool=scenario.pool,

@@ -89,6 +89,7 @@ class BatchWorkload:
     submit_rate_per_s: float = 0.0
     client_concurrency: int = 256
     priority: int = BATCH_PRIORITY
+    replicas: tuple[int, ...] = ()  # replicas eligible for batch (empty: every replica)
 
 
 @dataclass(frozen=True)
@@ -137,11 +138,27 @@ class Scenario:
                 f"failure.replica must be < replicas ({self.replicas}), "
                 f"got {self.failure.replica}"
             )
+        eligible = self.batch.replicas
+        if any(not 0 <= r < self.replicas for r in eligible) or len(set(eligible)) < len(
+            eligible
+        ):
+            raise InputError(
+                f"batch.replicas must name distinct replicas below replicas ({self.replicas}), "
+                f"got {list(eligible)}"
+            )
         if self.interactive_shape not in INTERACTIVE_SHAPES:
             raise InputError(
                 f"interactive shape must be one of {', '.join(INTERACTIVE_SHAPES)}, "
                 f"got {self.interactive_shape!r}"
             )
+
+    def batch_replicas(self) -> tuple[int, ...]:
+        """The replicas that may take batch, in order (every replica when unrestricted)."""
+        return tuple(sorted(self.batch.replicas)) or tuple(range(self.replicas))
+
+    def batch_restricted(self) -> bool:
+        """True when batch may use only some of the replicas."""
+        return len(self.batch_replicas()) < self.replicas
 
     def with_overrides(self, **changes: object) -> Scenario:
         """A copy with some fields replaced (validated again)."""
@@ -176,6 +193,12 @@ class Key:
 
     def check(self, value: object) -> str | None:
         """Why `value` is not acceptable for this key, or None when it is."""
+        if self.kind is tuple:
+            if not (isinstance(value, list) and value and all(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
+            )):
+                return "must be a non-empty list of replica indices (integers >= 0)"
+            return None
         if self.kind is bool:
             ok = isinstance(value, bool)
         elif self.kind is int:
@@ -268,6 +291,9 @@ KEYS: tuple[Key, ...] = (
         "batch.client_concurrency", low=1),
     Key("batch.priority", int, "vLLM priority of batch requests (lower first)",
         "batch.priority"),
+    Key("batch.replicas", tuple, "replicas (indices from 0) that may take batch; interactive "
+        "uses every replica and its routing then ignores batch load (default: all)",
+        "batch.replicas"),
     Key("failure.replica", int, "replica taken down", "failure.replica", low=0),
     Key("failure.start_frac", float, "outage start as a fraction of the run",
         "failure.start_frac", low=0, high=1),
@@ -313,6 +339,8 @@ def scenario_from_values(values: dict[str, object], *, base_dir: Path, origin: s
         group, field_name = key.target.split(".")
         if key.kind is float:
             value = float(value)  # type: ignore[arg-type]
+        if key.kind is tuple:
+            value = tuple(value)  # type: ignore[arg-type]
         if key.path:
             value = _resolve(base_dir, str(value))
         groups[group][field_name] = value
@@ -389,6 +417,8 @@ def _toml_value(value: object) -> str:
         return f'"{value}"'
     if isinstance(value, float):
         return repr(value)
+    if isinstance(value, tuple):
+        return "[" + ", ".join(str(v) for v in value) + "]"
     return str(value)
 
 
@@ -423,7 +453,11 @@ def example_text(scenario: Scenario | None = None) -> str:
             lines.append(f"{hidden}[{head}]")
         choices = f" ({' | '.join(key.choices)})" if key.choices else ""
         lines.append(f"# {key.help}{choices}")
-        lines.append(f"{hidden}{leaf} = {_toml_value(_current(sc, key))}")
+        value = _current(sc, key)
+        if value == ():
+            lines.append(f"# {leaf} = [0, 1]")  # unset: every replica
+        else:
+            lines.append(f"{hidden}{leaf} = {_toml_value(value)}")
     return "\n".join(lines) + "\n"
 
 

@@ -61,6 +61,7 @@ class RunResult:
     batch: dict[str, float]
     interactive_preemptions: int
     budget_timeline: list[dict[str, object]] = field(default_factory=list)
+    group_recorders: list[metrics.Recorder] | None = None
 
     def summary(self) -> dict[str, object]:
         """The run as the JSON document of `borrowd sim` (keys fixed by issue #2)."""
@@ -71,6 +72,7 @@ class RunResult:
         inter: dict[str, object] = {k: metrics.json_number(v) for k, v in overall.items()}
         inter["slo_windows_met_frac"] = round(sum(w.slo_met for w in wins) / len(wins), 4)
         inter["preemptions"] = self.interactive_preemptions
+        groups = self._group_summaries()
         return {
             "policy": self.policy,
             "scenario": sc.name,
@@ -88,7 +90,24 @@ class RunResult:
             },
             "windows": [w.to_json() for w in wins],
             "budget_timeline": self.budget_timeline,
+            **({"replica_groups": groups} if groups else {}),
         }
+
+    def _group_summaries(self) -> list[dict[str, object]]:
+        """Interactive figures of the batch-eligible replicas and of the others (only when
+        batch is restricted to some replicas)."""
+        if self.group_recorders is None:
+            return []
+        sc = self.scenario
+        eligible = sc.batch_replicas()
+        members = (eligible, tuple(r for r in range(sc.replicas) if r not in eligible))
+        out: list[dict[str, object]] = []
+        for name, replicas, rec in zip(("batch", "other"), members, self.group_recorders,
+                                       strict=True):
+            fig = rec.interactive_figures(-1.0, self.duration_s + 1.0)
+            out.append({"group": name, "replicas": list(replicas),
+                        **{k: metrics.json_number(v) for k, v in fig.items()}})
+        return out
 
 
 class Simulation:
@@ -129,6 +148,7 @@ class Simulation:
         self.fleet = Fleet(
             [make_engine(engine, config, profile) for _ in range(scenario.replicas)],
             scenario.router,
+            scenario.batch.replicas,
         )
         burst = scenario.burst if with_burst else None
         self.arrivals = interactive_arrivals(
@@ -160,6 +180,13 @@ class Simulation:
                     )
                 e.set_batch_budget(None)
         self.rec = metrics.Recorder(self.duration_s)
+        # Interactive figures per replica group (batch-eligible, other) when batch is
+        # restricted, so a run shows the replicas without batch apart.
+        self.group_recs: list[metrics.Recorder] | None = None
+        self._group_of: list[int] = []
+        if self.fleet.restricted:
+            self.group_recs = [metrics.Recorder(self.duration_s) for _ in range(2)]
+            self._group_of = [0 if e else 1 for e in self.fleet.batch_eligible]
         self.now_s = 0.0
         self._heap: list[tuple[float, int, int, int]] = []
         self._steps: list[tuple[float, int, int, int]] = []
@@ -223,9 +250,11 @@ class Simulation:
         self._seq += 1
         heapq.heappush(self._steps, (res.end_s, self._seq, r, self._gen[r]))
 
-    def _apply(self, res: StepResult) -> None:
-        """Record a finished step's effects (hot path: keep it lean)."""
+    def _apply(self, res: StepResult, r: int) -> None:
+        """Record a finished step's effects on replica `r` (hot path: keep it lean)."""
         rec = self.rec
+        if self.group_recs is not None:
+            _record_interactive(self.group_recs[self._group_of[r]], res, self._waiting_first)
         end = res.end_s
         sec = int(end)
         if sec >= len(rec.busy_s_per_s):
@@ -311,7 +340,7 @@ class Simulation:
     def _pump_batch(self, now: float) -> None:
         """Admit batch requests from the backlog while the gate and the client allow."""
         source = self.source
-        if source is None or self.gate.budget is None or not self.fleet.any_up():
+        if source is None or self.gate.budget is None or not self.fleet.batch_up():
             return
         concurrency = self.scenario.batch.client_concurrency
         gate = self.gate
@@ -407,11 +436,14 @@ class Simulation:
 
     def _share_engine_budget(self, now_s: float) -> None:
         """Give each replica's per-step limit its share of the pool's batch rate (the
-        budget split over the replicas up), as a plugin configured with that share would."""
-        budget = engine_share(self.gate.budget, sum(self.fleet.up))
+        budget split over the eligible replicas up), as a plugin configured with that share
+        would; a replica not eligible for batch gets none (its plugin schedules no batch)."""
+        budget = engine_share(self.gate.budget, self.fleet.batch_up())
         for r, engine in enumerate(self.fleet.engines):
             self._settle(r, now_s)
-            engine.set_batch_budget(budget)  # type: ignore[attr-defined]
+            engine.set_batch_budget(  # type: ignore[attr-defined]
+                budget if self.fleet.batch_eligible[r] else None
+            )
 
     def observe(self, pool: str, now_s: float) -> Observation:
         """Signals over the last `observe_window_s` seconds ending at `now_s`."""
@@ -466,6 +498,8 @@ class Simulation:
             self.fleet.done(req)
             self.rec.outcome_t.append(now)
             self.rec.outcome_ok.append(False)
+            if self.group_recs is not None:
+                _record_failure(self.group_recs[self._group_of[r]], now, None)
             return
         if req.first_token_s < 0:
             self._waiting_first[req.request_id] = req
@@ -487,6 +521,9 @@ class Simulation:
             self.rec.ttft_s.append(now - req.submitted_s)
             self.rec.outcome_t.append(now)
             self.rec.outcome_ok.append(False)
+            if self.group_recs is not None:
+                _record_failure(self.group_recs[self._group_of[req.replica]], now,
+                                now - req.submitted_s)
 
     def _fail(self, r: int, now: float) -> None:
         """Replica `r` goes down: its step in flight completes, then every request is lost."""
@@ -495,7 +532,7 @@ class Simulation:
         self._pending[r] = None
         self._gen[r] += 1
         if pending is not None:
-            self._apply(pending)
+            self._apply(pending, r)
         self.fleet.up[r] = False
         if self.scenario.enforcement == ENGINE:
             self._share_engine_budget(now)
@@ -579,7 +616,7 @@ class Simulation:
                 else:
                     res = pending[r]
                     pending[r] = None
-                self._apply(res)
+                self._apply(res, r)
                 if pending[r] is None and plans[r] is None:
                     if spans:
                         plan = engines[r].plan_decode_span(t, t_ev if t_ev < duration else duration)  # type: ignore[attr-defined]
@@ -643,6 +680,7 @@ class Simulation:
             batch=self._batch_figures(),
             interactive_preemptions=self.interactive_preemptions,
             budget_timeline=self.budget_timeline,
+            group_recorders=self.group_recs,
         )
 
     def _batch_figures(self) -> dict[str, float]:
@@ -660,6 +698,43 @@ class Simulation:
             "preemptions": self.batch_preemptions,
             "revocations": self.revocations,
         }
+
+
+def _record_interactive(rec: metrics.Recorder, res: StepResult,
+                        waiting_first: dict[str, Request]) -> None:
+    """The interactive samples of one step (token gaps, first tokens, finishes) into `rec`,
+    as `Simulation._apply` records them for the whole fleet (call before it does)."""
+    with_batch = res.batch_tokens > 0
+    if res.itl_steady:
+        t = res.start_s
+        for d in res.step_durations_s():
+            t += d
+            rec.itl_t.append(t if res.span_steps > 1 else res.end_s)
+            rec.itl_s.append(d)
+            rec.itl_w.append(res.itl_steady)
+            rec.itl_batch.append(with_batch)
+    for gap in res.itl_other_s:
+        rec.itl_t.append(res.end_s)
+        rec.itl_s.append(gap)
+        rec.itl_w.append(1)
+        rec.itl_batch.append(with_batch)
+    for req in res.first_tokens:
+        if req.klass == INTERACTIVE and req.request_id in waiting_first:
+            rec.ttft_t.append(res.end_s)
+            rec.ttft_s.append(res.end_s - req.submitted_s)
+    for req in res.finished:
+        if req.klass == INTERACTIVE:
+            rec.outcome_t.append(res.end_s)
+            rec.outcome_ok.append(True)
+
+
+def _record_failure(rec: metrics.Recorder, now_s: float, ttft_s: float | None) -> None:
+    """An interactive request failed at `now_s` (with its wait as TTFT when it timed out)."""
+    if ttft_s is not None:
+        rec.ttft_t.append(now_s)
+        rec.ttft_s.append(ttft_s)
+    rec.outcome_t.append(now_s)
+    rec.outcome_ok.append(False)
 
 
 def _resubmission(req: Request) -> Request:
