@@ -44,6 +44,10 @@ class RedisPoolStore:
         """The operator's reason while the stop switch is set; `StoreError` if Redis fails."""
         return _neutral(self.store.stop_reason)
 
+    def ceiling_tokens_per_s(self) -> float | None:
+        """The pool's rollout ceiling (tokens/s) or None; `StoreError` if Redis fails."""
+        return _neutral(self.ceiling)
+
 
 class RedisPoolElection:
     """`models.protocols.Election` over `adapters.store.LeaderElection`."""

@@ -218,9 +218,11 @@ class ExcitationPolicy:
         self.applied: list[float] = []
         self.observations: list[Observation] = []
 
-    def step(self, obs: Observation, now_s: float, *, stopped: bool = False) -> Decision:
+    def step(self, obs: Observation, now_s: float, *, stopped: bool = False,
+             ceiling_tokens_per_s: float | None = None) -> Decision:
         """The planned budget for this tick, cut to the low level when a signal burns (zero
-        while the stop switch is set)."""
+        while the stop switch is set; the simulated pool's store sets no rollout ceiling, and
+        the experiment's plan is its own)."""
         k = min(len(self.applied), len(self.u_plan) - 1)
         u = float(self.u_plan[k])
         reason, severe = burning(obs, self.config.slo(), self.config.supervisor)

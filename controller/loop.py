@@ -70,8 +70,11 @@ class Controller(Protocol):
         """The control period."""
         ...
 
-    def step(self, obs: Observation, now_s: float, *, stopped: bool = False) -> DecisionLike:
-        """Decide the next budget; `stopped` when the operator's stop switch is set."""
+    def step(self, obs: Observation, now_s: float, *, stopped: bool = False,
+             ceiling_tokens_per_s: float | None = None) -> DecisionLike:
+        """Decide the next budget; `stopped` when the operator's stop switch is set;
+        `ceiling_tokens_per_s` the operator's rollout ceiling (None: unset), the law's upper
+        limit."""
         ...
 
 
@@ -102,11 +105,13 @@ class PoolLoop:
     """One pool's loop: observe -> decide -> (leader) publish, once per call of `tick`.
 
     Followers observe and decide too, so their law's state is warm when they take over, but
-    only the lease holder publishes, fenced by its epoch. Store trouble (`StoreError`) or a
-    source's missing signals are counted and logged, never raised: the next tick tries again,
-    and the budget's lease makes adapters close batch work if no record comes. The host
-    calls `tick(now_s)` every `tick_s`: the daemon's scheduler on wall time, the simulator on
-    virtual time.
+    only the lease holder publishes, fenced by its epoch. The rollout ceiling is read from the
+    store each tick and handed to the controller, so its law saturates there (anti-windup)
+    instead of winding up above a cap applied only at publish; a store error keeps the last
+    ceiling read. Store trouble (`StoreError`) or a source's missing signals are counted and
+    logged, never raised: the next tick tries again, and the budget's lease makes adapters
+    close batch work if no record comes. The host calls `tick(now_s)` every `tick_s`: the
+    daemon's scheduler on wall time, the simulator on virtual time.
     """
 
     def __init__(
@@ -136,6 +141,7 @@ class PoolLoop:
         self.epoch: int | None = None
         self.mode: Mode | None = None
         self.last_tick_done_s: float | None = None
+        self.ceiling_tokens_per_s: float | None = None
         self._lock = threading.Lock()
 
     @property
@@ -149,7 +155,9 @@ class PoolLoop:
             started = time.perf_counter()
             obs = self.source.observe(self.pool, now_s)
             stop_reason = self._stop_reason()
-            decision = self.policy.step(obs, now_s, stopped=stop_reason is not None)
+            self._read_ceiling()
+            decision = self.policy.step(obs, now_s, stopped=stop_reason is not None,
+                                        ceiling_tokens_per_s=self.ceiling_tokens_per_s)
             budget = decision.budget
             self._lead()
             published = False
@@ -199,6 +207,14 @@ class PoolLoop:
         except StoreError as exc:
             self._error("redis", "stop_switch", exc)
             return None
+
+    def _read_ceiling(self) -> None:
+        """The rollout ceiling for this tick; a store error keeps the last one read (the
+        store clamps again at publish, and a failing store publishes nothing)."""
+        try:
+            self.ceiling_tokens_per_s = self.store.ceiling_tokens_per_s()
+        except StoreError as exc:
+            self._error("redis", "ceiling", exc)
 
     def _lead(self) -> None:
         """Renew the lease when holding it, else try to take it; a store error means follower."""

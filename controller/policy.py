@@ -204,8 +204,11 @@ class ControllerPolicy:
         self.u_applied = 0.0
         self.last_now_s = math.nan
 
-    def step(self, obs: Observation, now_s: float, *, stopped: bool = False) -> Decision:
-        """One tick: law, supervisor and caps; returns the budget, law proposal and events."""
+    def step(self, obs: Observation, now_s: float, *, stopped: bool = False,
+             ceiling_tokens_per_s: float | None = None) -> Decision:
+        """One tick: law, supervisor and caps; returns the budget, law proposal and events.
+        The rollout ceiling (None: unset) caps the u applied, which the law is told, so its
+        state saturates at the ceiling (anti-windup) and follows a raised one at once."""
         dt_s = now_s - self.last_now_s if math.isfinite(self.last_now_s) else self.tick_s
         dt_s = min(max(dt_s, 1e-3), 10 * self.tick_s)
         self.last_now_s = now_s
@@ -218,6 +221,9 @@ class ControllerPolicy:
             proposal.u_tokens_per_s, dt_s, now_s, stopped=stopped, burns=burns,
         )
         self.sup_state = decision.state
+        if ceiling_tokens_per_s is not None and decision.u > ceiling_tokens_per_s:
+            decision = replace(decision, u=max(0.0, ceiling_tokens_per_s), reason=(
+                f"{decision.reason}; rollout ceiling {ceiling_tokens_per_s:g}"))
         self.law.applied(proposal.tick, decision.u)
         self.u_applied = decision.u
         budget = self.caps.budget(decision, now_s)

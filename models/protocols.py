@@ -48,6 +48,10 @@ class Store(Protocol):
         """The operator's reason while the stop switch is set, else None."""
         ...
 
+    def ceiling_tokens_per_s(self) -> float | None:
+        """The operator's rollout ceiling on the batch rate (tokens/s), None when unset."""
+        ...
+
 
 class Election(Protocol):
     """Leader election of one pool among daemon replicas."""

@@ -132,12 +132,17 @@ def burns(step: StepFigures, baseline: StepFigures, slo: Slo,
 
 def apply_ceiling(budget: Budget, ceiling_tokens_per_s: float | None) -> Budget:
     """`budget` held under the rollout ceiling: the rate clamped to it and the sequence cap
-    scaled alike (at least 1); a ceiling of 0 closes batch (its work in flight is revoked).
-    None (no ceiling set) leaves the budget as it is."""
-    if ceiling_tokens_per_s is None or budget.batch_tokens_per_s <= ceiling_tokens_per_s:
+    scaled alike (at least 1); a ceiling of 0 closes batch (its work in flight is revoked,
+    also when the controller already saw the ceiling and decided a zero rate). None (no
+    ceiling set) leaves the budget as it is."""
+    if ceiling_tokens_per_s is None:
         return budget
     if ceiling_tokens_per_s <= 0:
+        if budget.batch_tokens_per_s <= 0 and budget.max_batch_seqs <= 0:
+            return budget
         return closed_budget(budget.pool, Mode.CLOSED, f"rollout ceiling 0; {budget.reason}")
+    if budget.batch_tokens_per_s <= ceiling_tokens_per_s:
+        return budget
     ratio = ceiling_tokens_per_s / budget.batch_tokens_per_s
     return replace(
         budget,

@@ -26,6 +26,7 @@ class SimStore:
     def __init__(self, pool: str, enforce: Enforce) -> None:
         self.gate = PoolGate(pool)
         self.enforce = enforce
+        self.ceiling: float | None = None  # the rollout ceiling (tokens/s), None: unset
 
     @property
     def stop(self) -> str | None:
@@ -50,6 +51,10 @@ class SimStore:
     def stop_reason(self) -> str | None:
         """The stop switch's reason, or None."""
         return self.gate.stop_reason
+
+    def ceiling_tokens_per_s(self) -> float | None:
+        """The rollout ceiling set on the simulated pool, or None."""
+        return self.ceiling
 
     def next_epoch(self) -> int:
         """A new, higher epoch (the epoch counter a new leader increments)."""

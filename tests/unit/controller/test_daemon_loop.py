@@ -57,7 +57,8 @@ class FakePolicy:
         self.events = events or []
         self.stopped: list[bool] = []
 
-    def step(self, obs: Observation, now_s: float, *, stopped: bool = False) -> FakeDecision:
+    def step(self, obs: Observation, now_s: float, *, stopped: bool = False,
+             ceiling_tokens_per_s: float | None = None) -> FakeDecision:
         self.stopped.append(stopped)
         budget = self.budgets[min(len(self.stopped), len(self.budgets)) - 1]
         events = self.events[len(self.stopped) - 1] if len(self.stopped) <= len(self.events) else ()
@@ -87,6 +88,11 @@ class FakeStore:
         if self.down:
             raise StoreError("ConnectionError: Redis is down")
         return self.stop
+
+    def ceiling_tokens_per_s(self) -> float | None:
+        if self.down:
+            raise StoreError("ConnectionError: Redis is down")
+        return None
 
 
 @dataclass
