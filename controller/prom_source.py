@@ -3,13 +3,16 @@
 The queries read the recording rules shipped in `deploy/prometheus/borrowd.rules.yml`
 (per-class p95 TTFT and ITL from the proxy's histograms, success ratio, token rates, vLLM KV
 usage, queue depth and preemptions, and the share of ITL gaps and first tokens above the
-default SLOs, 50 ms and 1 s, both vLLM bucket bounds). Every query is tried once and bounded
-as a whole (connect, headers and body within its timeout, so a Prometheus that answers one
-byte at a time cannot hold a tick); queries are evaluated at Prometheus's own time, so the
-data's age is measured on Prometheus's clock, not the daemon's. A failed, empty, NaN or
-impossible answer (a negative latency, a ratio above 1) leaves its field NaN (the supervisor
-reads that as not safe) and is counted. Also here: range queries over recorded series, for
-identification.
+default SLOs, 50 ms and 1 s, both vLLM bucket bounds; from the engines' interference series,
+the share of those ITL gaps and of interactive queue wait that fell in steps carrying batch
+tokens; the pool's KV capacity from vLLM's `cache_config_info` labels). Every query is tried
+once and bounded as a whole (connect, headers and body within its timeout, so a Prometheus
+that answers one byte at a time cannot hold a tick); queries are evaluated at Prometheus's
+own time, so the data's age is measured on Prometheus's clock, not the daemon's. A failed,
+empty, NaN or impossible answer (a negative latency, a ratio above 1) leaves its field NaN
+(the supervisor reads that as not safe) and is counted; a batch share that is NaN (no gap
+above the SLO, no wait: nothing to attribute) is a reading, NaN without an error. Also here:
+range queries over recorded series, for identification.
 """
 
 from __future__ import annotations
@@ -49,7 +52,16 @@ IMPOSSIBLE = "impossible"  # a value no healthy fleet reports (negative latency,
 # Largest answer body read from Prometheus (a pool's instant queries answer a few kB).
 MAX_ANSWER_BYTES = 16 * 1024 * 1024
 # The values each observed field can take; anything else (and +-inf) reads as missing.
-_FRACTIONS = ("success_rate", "kv_usage_frac", "itl_over_slo_frac", "ttft_over_slo_frac")
+_FRACTIONS = ("success_rate", "kv_usage_frac", "itl_over_slo_frac", "ttft_over_slo_frac",
+              "itl_over_slo_batch_frac", "interactive_wait_batch_frac")
+# Largest KV cache a pool can report, in tokens; a larger sum is not a real fleet.
+MAX_KV_CAPACITY_TOKENS = 10**12
+_POSITIVE_INT = re.compile(r"^[1-9][0-9]{0,12}$")
+
+# How an answer becomes a number (`PromQuery.parse`).
+VALUE = "value"  # the largest sample of the series; NaN is a failure
+SHARE = "share"  # as VALUE, but NaN in every series is a reading: nothing to share
+KV_CAPACITY = "kv_capacity"  # one info series per engine, its KV size in labels, summed
 
 # (pool, field, kind, detail) -> None; the daemon counts and logs these.
 ErrorSink = Callable[[str, str, str, str], None]
@@ -57,10 +69,12 @@ ErrorSink = Callable[[str, str, str, str], None]
 
 @dataclass(frozen=True)
 class PromQuery:
-    """The instant PromQL expression that yields one `Observation` field of one pool."""
+    """The instant PromQL expression that yields one `Observation` field of one pool, and how
+    its answer is read (VALUE, SHARE or KV_CAPACITY)."""
 
     field: str
     expr: str
+    parse: str = VALUE
 
 
 def check_pool_name(pool: str) -> str:
@@ -118,6 +132,19 @@ def pool_queries(pool: str, window: str) -> tuple[PromQuery, ...]:
         PromQuery(
             "ttft_samples", f"pool_class:borrowd_proxy_ttft_seconds:count_increase{window}{inter}"
         ),
+        PromQuery(
+            "itl_over_slo_batch_frac",
+            f"pool:borrowd_engine_interactive_itl_seconds:over_slo_batch_share_rate{window}"
+            f"{only_pool}",
+            SHARE,
+        ),
+        PromQuery(
+            "interactive_wait_batch_frac",
+            f"pool:borrowd_engine_interactive_wait_seconds:batch_share_rate{window}{only_pool}",
+            SHARE,
+        ),
+        PromQuery("kv_capacity_tokens", f"pool_engine:vllm_cache_config_info:max{only_pool}",
+                  KV_CAPACITY),
     )
 
 
@@ -277,6 +304,64 @@ def parse_instant(result: Sequence[Mapping]) -> float:
     return max(values)
 
 
+def parse_share(result: Sequence[Mapping]) -> float:
+    """As `parse_instant`, except that NaN in every series reads as NaN, not as a failure
+    (a share of nothing: no gap above the SLO, no wait in the window)."""
+    if result and all(_sample_text(series).lower() == "nan" for series in result):
+        return math.nan
+    return parse_instant(result)
+
+
+def _sample_text(series: Mapping) -> str:
+    try:
+        return str(series["value"][1])
+    except (KeyError, IndexError, TypeError):
+        return ""
+
+
+def engine_kv_tokens(labels: Mapping[str, str]) -> int:
+    """KV cache tokens of one engine from vLLM's `cache_config_info` labels:
+    `kv_cache_size_tokens` where vLLM reports it (group-aware), else num_gpu_blocks x
+    block_size. Raises `_QueryFailed` (IMPOSSIBLE) when neither is a positive integer."""
+    size = _positive_int(labels.get("kv_cache_size_tokens"))
+    if size is not None:
+        return size
+    blocks = _positive_int(labels.get("num_gpu_blocks"))
+    block_size = _positive_int(labels.get("block_size"))
+    if blocks is None or block_size is None:
+        engine = f"{labels.get('instance', '?')} engine {labels.get('engine', '?')}"
+        raise _QueryFailed(IMPOSSIBLE, f"{engine}: no positive num_gpu_blocks and block_size")
+    return blocks * block_size
+
+
+def _positive_int(text: object) -> int | None:
+    return int(text) if isinstance(text, str) and _POSITIVE_INT.match(text) else None
+
+
+def parse_kv_capacity(result: Sequence[Mapping]) -> float:
+    """The pool's KV capacity in tokens: `engine_kv_tokens` summed over the engines (one per
+    instance and engine index; the smaller where an engine reports two sizes)."""
+    if not result:
+        raise _QueryFailed(EMPTY, "no series")
+    per_engine: dict[tuple[str, str], int] = {}
+    for series in result:
+        labels = series.get("metric")
+        if not isinstance(labels, Mapping):
+            raise _QueryFailed(NOT_A_NUMBER, f"series without labels {series!r}")
+        key = (str(labels.get("instance", "")), str(labels.get("engine", "")))
+        tokens = engine_kv_tokens(labels)
+        per_engine[key] = min(tokens, per_engine.get(key, tokens))
+    total = sum(per_engine.values())
+    if total > MAX_KV_CAPACITY_TOKENS:
+        raise _QueryFailed(IMPOSSIBLE, f"KV capacity {total} tokens > {MAX_KV_CAPACITY_TOKENS}")
+    return float(total)
+
+
+_PARSERS: dict[str, Callable[[Sequence[Mapping]], float]] = {
+    VALUE: parse_instant, SHARE: parse_share, KV_CAPACITY: parse_kv_capacity,
+}
+
+
 def check_possible(field: str, value: float) -> float:
     """`value` if a healthy fleet can report it for `field` (finite; >= 0; a fraction at most
     1), else `_QueryFailed` (IMPOSSIBLE): the field then reads as missing, never as healthy."""
@@ -320,8 +405,9 @@ class PrometheusSource:
         reachable = True
         for query in pool_queries(pool, self._window):
             try:
-                values[query.field] = check_possible(query.field, parse_instant(self._query(
-                    query.expr)))
+                value = _PARSERS[query.parse](self._query(query.expr))
+                values[query.field] = value if math.isnan(value) else check_possible(
+                    query.field, value)
             except _QueryFailed as exc:
                 self._report(pool, query.field, exc)
                 if exc.kind == TRANSPORT:

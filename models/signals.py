@@ -37,7 +37,8 @@ class Observation:
     traffic, a safe reading; NaN: not counted). Attribution to batch: `itl_over_slo_batch_frac`
     is the share of the gaps above the SLO that fell in steps carrying batch tokens, and
     `interactive_wait_batch_frac` the share of interactive queue wait spent in steps carrying
-    batch tokens.
+    batch tokens (NaN: nothing to attribute, or not measured). `kv_capacity_tokens` is the KV
+    cache of the pool's engines that are up, in tokens (batch KV caps are fractions of it).
     """
 
     now_s: float
@@ -60,6 +61,7 @@ class Observation:
     ttft_samples: float = NAN
     itl_over_slo_batch_frac: float = NAN
     interactive_wait_batch_frac: float = NAN
+    kv_capacity_tokens: float = NAN
 
     def missing(self) -> list[str]:
         """Names of the fields that are NaN (not measured)."""

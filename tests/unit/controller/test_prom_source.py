@@ -15,6 +15,7 @@ from borrowd.controller.prom_source import (
     EMPTY,
     HTTP,
     IMPOSSIBLE,
+    KV_CAPACITY,
     NOT_A_NUMBER,
     TRANSPORT,
     PrometheusSource,
@@ -47,6 +48,9 @@ FIELD_VALUES = {
     "ttft_over_slo_frac": 0.0,
     "itl_samples": 1200.0,
     "ttft_samples": 40.0,
+    "itl_over_slo_batch_frac": 0.6,
+    "interactive_wait_batch_frac": 0.3,
+    "kv_capacity_tokens": 48000.0,
 }
 
 
@@ -82,9 +86,25 @@ class FakeClient:
         return answer
 
 
+def cache_info(*engines: dict[str, str]) -> list[dict]:
+    """A `cache_config_info` answer: one series per engine, its labels as given."""
+    return [{"metric": {"pool": "chat", "engine": "0", **labels},
+             "value": [1700000000.0, "1"]} for labels in engines]
+
+
 def healthy_answers(pool: str = "chat", window: str = "15s") -> dict[str, object]:
-    """Every query of `pool` answered with FIELD_VALUES; data 0.5 s old."""
-    return {q.expr: instant(repr(FIELD_VALUES[q.field])) for q in pool_queries(pool, window)}
+    """Every query of `pool` answered with FIELD_VALUES (the KV capacity as two engines of
+    16000 and 32000 tokens); data 0.5 s old."""
+    answers: dict[str, object] = {
+        q.expr: instant(repr(FIELD_VALUES[q.field])) for q in pool_queries(pool, window)
+    }
+    capacity = next(q.expr for q in pool_queries(pool, window) if q.parse == KV_CAPACITY)
+    answers[capacity] = cache_info(
+        {"instance": "a:8000", "block_size": "16", "num_gpu_blocks": "1000"},
+        {"instance": "b:8000", "block_size": "16", "num_gpu_blocks": "1000",
+         "kv_cache_size_tokens": "32000"},
+    )
+    return answers
 
 
 def age_default() -> list[dict]:
@@ -161,6 +181,67 @@ def test_impossible_values_read_as_missing(field: str, value: str) -> None:
     obs = make_source(FakeClient(answers, default=age_default()), errors).observe("chat", 1.0)
     assert queried_missing(obs) == [field]
     assert [(f, kind) for _, f, kind, _ in errors] == [(field, IMPOSSIBLE)]
+
+
+def _answers_with(field: str, answer: object) -> dict[str, object]:
+    answers = healthy_answers()
+    answers[next(q.expr for q in pool_queries("chat", "15s") if q.field == field)] = answer
+    return answers
+
+
+@pytest.mark.parametrize("field", ["itl_over_slo_batch_frac", "interactive_wait_batch_frac"])
+def test_a_nan_batch_share_is_a_reading_and_an_absent_one_is_missing(field: str) -> None:
+    """NaN (no gap above the SLO, no wait: nothing to attribute) reads as NaN without an
+    error; no series (no engine exports the interference series) is missing and counted."""
+    errors: list = []
+    client = FakeClient(_answers_with(field, instant("NaN")), default=age_default())
+    obs = make_source(client, errors).observe("chat", 1.0)
+    assert math.isnan(getattr(obs, field)) and errors == []
+    client = FakeClient(_answers_with(field, []), default=age_default())
+    obs = make_source(client, errors).observe("chat", 1.0)
+    assert queried_missing(obs) == [field]
+    assert [(f, kind) for _, f, kind, _ in errors] == [(field, EMPTY)]
+
+
+@pytest.mark.parametrize(
+    ("engines", "tokens"),
+    [
+        ([{"block_size": "16", "num_gpu_blocks": "24750"}], 396000.0),
+        ([{"block_size": "16", "num_gpu_blocks": "100", "kv_cache_size_tokens": "1000"}], 1000.0),
+        ([{"block_size": "16", "num_gpu_blocks": "100", "kv_cache_size_tokens": "None"}], 1600.0),
+        ([{"instance": "a", "block_size": "16", "num_gpu_blocks": "100"},
+          {"instance": "a", "engine": "1", "block_size": "32", "num_gpu_blocks": "100"}], 4800.0),
+        ([{"instance": "a", "block_size": "16", "num_gpu_blocks": "100"},
+          {"instance": "a", "block_size": "16", "num_gpu_blocks": "50"}], 800.0),
+    ],
+    ids=["blocks-x-size", "size-label-first", "size-label-none", "two-engines",
+         "one-engine-two-sizes"],
+)
+def test_kv_capacity_sums_the_engines_info_labels(engines: list, tokens: float) -> None:
+    """The pool's KV capacity is each engine's kv_cache_size_tokens (else blocks x block
+    size), summed over engines; an engine reporting two sizes counts the smaller."""
+    errors: list = []
+    client = FakeClient(_answers_with("kv_capacity_tokens", cache_info(*engines)),
+                        default=age_default())
+    obs = make_source(client, errors).observe("chat", 1.0)
+    assert obs.kv_capacity_tokens == tokens and errors == []
+
+
+@pytest.mark.parametrize(
+    "labels",
+    [{"block_size": "16"}, {"block_size": "0", "num_gpu_blocks": "100"},
+     {"block_size": "16", "num_gpu_blocks": "-5"}, {"block_size": "16", "num_gpu_blocks": "1e3"},
+     {"block_size": "16", "num_gpu_blocks": "9" * 13}],
+    ids=["no-blocks", "zero-block-size", "negative", "not-an-integer", "absurdly-large"],
+)
+def test_kv_capacity_from_bad_labels_reads_as_missing(labels: dict[str, str]) -> None:
+    """Labels that do not size a real cache leave the capacity NaN, counted as impossible."""
+    errors: list = []
+    client = FakeClient(_answers_with("kv_capacity_tokens", cache_info(labels)),
+                        default=age_default())
+    obs = make_source(client, errors).observe("chat", 1.0)
+    assert math.isnan(obs.kv_capacity_tokens)
+    assert [(f, kind) for _, f, kind, _ in errors] == [("kv_capacity_tokens", IMPOSSIBLE)]
 
 
 @pytest.mark.parametrize(
