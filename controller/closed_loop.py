@@ -107,8 +107,21 @@ def default_plant(name: str, scenario: Scenario, plant_path: Path | None) -> Pla
 def default_sim_pool(name: str, scenario: Scenario) -> PoolConfig:
     """The pool a scenario runs without a config file (see `controller_config`)."""
     pool = example_pool()
-    return replace(pool, name=scenario.pool, controller=controller_config(name, scenario,
-                                                                          pool.controller))
+    return scenario_replicas(
+        replace(pool, name=scenario.pool,
+                controller=controller_config(name, scenario, pool.controller)),
+        scenario,
+    )
+
+
+def scenario_replicas(pool: PoolConfig, scenario: Scenario) -> PoolConfig:
+    """`pool` with the simulated fleet's replica count and batch-eligible count when the
+    scenario restricts batch to some replicas (so its limits are sized to them, as the
+    daemon's config says for a real fleet); unchanged otherwise."""
+    if not scenario.batch_restricted():
+        return pool
+    return replace(pool, replicas=scenario.replicas,
+                   batch_replicas=len(scenario.batch_replicas()))
 
 
 def make_policy(name: str, scenario: Scenario, plant_path: Path | None) -> ControllerPolicy:
@@ -171,8 +184,10 @@ class SimControllers:
         if chosen is None:
             raise InputError(f"--pool {self.pool!r} is not in the config (pools: "
                              f"{', '.join(pools)})")
-        return replace(chosen, name=scenario.pool,
-                       controller=replace(chosen.controller, law=name))
+        return scenario_replicas(
+            replace(chosen, name=scenario.pool, controller=replace(chosen.controller, law=name)),
+            scenario,
+        )
 
     def spec(self, name: str, scenario: Scenario, plant_path: Path | None) -> PolicySpec:
         """Policy `name` on `scenario`: engines on the priority policy, batch under the pool's

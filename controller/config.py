@@ -131,6 +131,18 @@ class PoolConfig:
         default="",
         metadata=meta("path", "plant.json from `borrowd identify` ('' = the controller's default)"),
     )
+    replicas: int = field(
+        default=0,
+        metadata=meta("replicas", "engine replicas serving the pool (0: u_max and the caps "
+                      "stand as written)", min=0, max=100_000),
+    )
+    batch_replicas: int = field(
+        default=0,
+        metadata=meta("replicas", "how many of them may take batch (0: all; name them in the "
+                      "proxy's batch_upstreams and each engine's BORROWD_BATCH_ELIGIBLE); u_max, "
+                      "the ramp cap and the sequence and KV caps scale by batch_replicas / "
+                      "replicas", min=0, max=100_000),
+    )
     controller: ControllerConfig = field(
         default_factory=ControllerConfig,
         metadata=meta("table", "the controller: tick, SLOs, law, gains, supervisor, caps"),
@@ -140,6 +152,12 @@ class PoolConfig:
     def tick_s(self) -> float:
         """The pool's control period (the controller's `tick_s`)."""
         return self.controller.tick_s
+
+    def batch_share(self) -> float:
+        """Share of the pool's replicas that may take batch (1 when not restricted)."""
+        if self.replicas <= 0 or self.batch_replicas <= 0:
+            return 1.0
+        return self.batch_replicas / self.replicas
 
 
 @dataclass(frozen=True)
@@ -167,6 +185,16 @@ class BorrowdConfig:
             if names.count(name) > 1:
                 raise ConfigError(f"pools: pool name {name!r} appears more than once")
         for index, pool in enumerate(self.pools):
+            if pool.batch_replicas > 0 and pool.replicas == 0:
+                raise ConfigError(
+                    f"pools[{index}].batch_replicas = {pool.batch_replicas}: needs "
+                    f"pools[{index}].replicas (the pool's replica count) to size the caps by"
+                )
+            if pool.batch_replicas > pool.replicas:
+                raise ConfigError(
+                    f"pools[{index}].batch_replicas = {pool.batch_replicas}: more than the "
+                    f"pool's replicas ({pool.replicas})"
+                )
             if pool.budget_ttl_ms < 2 * pool.tick_s * 1000:
                 raise ConfigError(
                     f"pools[{index}].budget_ttl_ms = {pool.budget_ttl_ms}: must cover at least "

@@ -1,6 +1,7 @@
 """From a pool's config to the controller the daemon runs for it (no network): its plant
-file, the burn-rule check, and the state it exports. Shared by `borrowd run` and the
-simulator's CLI, so both run a pool's config the same way."""
+file, the burn-rule check, the limits sized to the replicas that may take batch, and the
+state it exports. Shared by `borrowd run` and the simulator's CLI, so both run a pool's
+config the same way."""
 
 from __future__ import annotations
 
@@ -32,8 +33,31 @@ def burn_matches_rules(controller: ControllerConfig) -> bool:
     )
 
 
+def sized_to_eligible(controller: ControllerConfig, share: float) -> ControllerConfig:
+    """`controller` with its pool-wide limits scaled to the `share` of the replicas that
+    may take batch: u_max (the law's upper limit), the ramp's cap, and the sequence and KV
+    caps (at least 1 each). A share of 1 leaves it as written."""
+    if share >= 1.0:
+        return controller
+    caps = controller.caps
+    supervisor = controller.supervisor
+    return dataclasses.replace(
+        controller,
+        u_max_tokens_per_s=controller.u_max_tokens_per_s * share,
+        supervisor=dataclasses.replace(
+            supervisor, ramp_cap_tokens_per_s=supervisor.ramp_cap_tokens_per_s * share
+        ),
+        caps=dataclasses.replace(
+            caps,
+            max_seqs=max(1, math.ceil(caps.max_seqs * share)),
+            max_kv_tokens=max(1, math.ceil(caps.max_kv_tokens * share)),
+        ),
+    )
+
+
 def pool_controller(pool: PoolConfig, *, burn_at_slo: bool = False) -> ControllerConfig:
-    """The controller settings the daemon runs for `pool`.
+    """The controller settings the daemon runs for `pool`, its limits sized to the replicas
+    that may take batch (`sized_to_eligible`).
 
     A pool whose SLOs differ from the burn rules' bucket bounds controls on its p95s: the
     burn read from Prometheus would measure a different line than its SLO. A source that
@@ -47,7 +71,7 @@ def pool_controller(pool: PoolConfig, *, burn_at_slo: bool = False) -> Controlle
             rules_itl_s=RULES_SLO_ITL_S,
         )
         controller = dataclasses.replace(controller, control_on_burn=False)
-    return controller
+    return sized_to_eligible(controller, pool.batch_share())
 
 
 def build_pool_policy(

@@ -1,0 +1,80 @@
+"""A pool whose batch may use only some of its replicas: the config keys, their one-line
+errors, and the controller's limits sized to the eligible replicas (daemon and simulator)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from borrowd.controller.cli import main
+from borrowd.controller.closed_loop import SimControllers, default_sim_pool
+from borrowd.controller.config import config_from_mapping
+from borrowd.controller.pools import build_pool_policy, pool_controller
+from borrowd.models.errors import ConfigError
+from borrowd.models.sim.scenario import SEED, get_scenario
+
+
+def test_limits_scale_with_the_eligible_share() -> None:
+    """Two of four replicas: u_max (the law's upper limit), the ramp cap and the sequence and
+    KV caps are halved; the law is built with the halved u_max."""
+    full = config_from_mapping({"pools": [{"name": "chat"}]}).pools[0]
+    half = config_from_mapping(
+        {"pools": [{"name": "chat", "replicas": 4, "batch_replicas": 2}]}
+    ).pools[0]
+    a, b = pool_controller(full), pool_controller(half)
+    assert b.u_max_tokens_per_s == a.u_max_tokens_per_s / 2
+    assert b.supervisor.ramp_cap_tokens_per_s == a.supervisor.ramp_cap_tokens_per_s / 2
+    assert b.caps.max_seqs == a.caps.max_seqs // 2
+    assert b.caps.max_kv_tokens == a.caps.max_kv_tokens // 2
+    assert build_pool_policy(half).config.u_max_tokens_per_s == b.u_max_tokens_per_s
+
+
+@pytest.mark.parametrize(
+    ("keys", "ok"),
+    [({}, True), ({"replicas": 4}, True), ({"replicas": 4, "batch_replicas": 4}, True)],
+    ids=["unset", "replicas-only", "all-eligible"],
+)
+def test_unrestricted_pools_keep_their_limits(keys: dict, ok: bool) -> None:
+    """Without a batch subset the limits stand as written."""
+    pool = config_from_mapping({"pools": [{"name": "chat", **keys}]}).pools[0]
+    full = config_from_mapping({"pools": [{"name": "chat"}]}).pools[0]
+    assert (pool_controller(pool) == pool_controller(full)) is ok
+
+
+@pytest.mark.parametrize(
+    ("keys", "message"),
+    [
+        ({"batch_replicas": 2}, r"pools\[0\].batch_replicas = 2: needs pools\[0\].replicas"),
+        ({"replicas": 2, "batch_replicas": 3}, r"pools\[0\].batch_replicas = 3: more than the "
+                                               r"pool's replicas \(2\)"),
+        ({"replicas": -1}, r"pools\[0\].replicas"),
+        ({"batch_replicas": "two"}, r"pools\[0\].batch_replicas"),
+    ],
+    ids=["no-replicas", "more-than-replicas", "negative", "not-a-number"],
+)
+def test_bad_keys_name_the_key(keys: dict, message: str) -> None:
+    """Each bad value is one ConfigError naming the key."""
+    with pytest.raises(ConfigError, match=message):
+        config_from_mapping({"pools": [{"name": "chat", **keys}]})
+
+
+def test_bad_key_is_exit_code_2_without_traceback(tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """`borrowd config check` on a bad subset: exit code 2 and one line naming the key."""
+    path = tmp_path / "borrowd.toml"
+    path.write_text('[[pools]]\nname = "chat"\nreplicas = 2\nbatch_replicas = 3\n')
+    assert main(["config", "check", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "pools[0].batch_replicas = 3" in err and "Traceback" not in err
+
+
+def test_simulated_pool_takes_the_scenario_subset() -> None:
+    """On `seed-eligible` (batch on 2 of 4) the simulated pool is sized to the two, with or
+    without a daemon config; on `seed` it is left as written."""
+    restricted = get_scenario("seed-eligible")
+    pool = default_sim_pool("pi", restricted)
+    assert (pool.replicas, pool.batch_replicas) == (4, 2)
+    config = config_from_mapping({"pools": [{"name": "chat"}]})
+    from_file = SimControllers(config).pool_config("pi", restricted)
+    assert (from_file.replicas, from_file.batch_replicas) == (4, 2)
+    assert default_sim_pool("pi", SEED).batch_replicas == 0
