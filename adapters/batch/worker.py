@@ -36,7 +36,7 @@ from borrowd.models.batch.resume import (
     remaining_tokens,
     resume_body,
 )
-from borrowd.models.batch.schedule import JobRef, dispatch_cost_tokens, edf_order, pick_tenant
+from borrowd.models.batch.schedule import JobRef, dispatch_cost_tokens, next_job
 
 log = logging.getLogger(__name__)
 
@@ -236,10 +236,10 @@ class Worker:
                          and self._drained_until.get(j.job_id, 0.0) <= now_s]
             while open_jobs:
                 fair = await self.store.fair_state()
-                tenant = pick_tenant(fair, {j.tenant for j in open_jobs})
-                mine = [JobRef(j.job_id, j.expires_s, j.created_s) for j in open_jobs
-                        if j.tenant == tenant]
-                job = self.jobs[edf_order(mine)[0].job_id]
+                ref = next_job(fair, [(j.tenant, JobRef(j.job_id, j.expires_s, j.created_s))
+                                      for j in open_jobs])
+                assert ref is not None
+                job = self.jobs[ref.job_id]
                 taken = await self._take(job, now_s)
                 if taken is not None:
                     return taken

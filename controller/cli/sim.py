@@ -16,6 +16,7 @@ from borrowd.controller.config import load_config
 from borrowd.models.errors import InputError
 from borrowd.models.sim.bench import format_group_table, format_table, plot, run_bench
 from borrowd.models.sim.cores import DEFAULT_ENGINE, ENGINE_CORES
+from borrowd.models.sim.jobs_figures import format_jobs_tables
 from borrowd.models.sim.profiles import get_profile
 from borrowd.models.sim.run import run_scenario, slo_json
 from borrowd.models.sim.scenario import ENFORCEMENTS, Scenario, get_scenario, with_slo
@@ -123,6 +124,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
     if args.json:
         args.json.write_text(json.dumps(summary, indent=1) + "\n")
     print(format_table([summary]))
+    _print_jobs([summary])
     _print_groups([summary])
     return 0
 
@@ -151,6 +153,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         f"success {scenario.slo.success_rate:g}"
     )
     print(format_table(report["rows"], speed=not args.no_speed))  # type: ignore[arg-type]
+    _print_jobs(report["rows"])  # type: ignore[arg-type]
     _print_groups(report["rows"])  # type: ignore[arg-type]
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n")
@@ -166,3 +169,12 @@ def _print_groups(rows: list[dict[str, object]]) -> None:
     if table is not None:
         print("\ninteractive latency per replica group (batch-eligible replicas, the others):")
         print(table)
+
+
+def _print_jobs(rows: list[dict[str, object]]) -> None:
+    """Each run's batch jobs and tenants, when the scenario has jobs."""
+    for row in rows:
+        jobs = row.get("jobs")
+        if isinstance(jobs, dict):
+            print()
+            print(format_jobs_tables(str(row["policy"]), jobs))

@@ -7,12 +7,15 @@
   + generated_tokens / decode_tokens_per_gpu_s, counting every token the engines processed
   for batch (resumed prefills and redone output included, so waste costs money);
   cost per completed item = price_per_gpu_hour * gpu_hours / completed items.
+- Fair-share error of tenant t over the intervals when at least two tenants contended:
+  measured_t / expected_t - 1, where expected_t sums, per interval, the contending
+  tenants' tokens x w_t / (sum of the contending weights).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -68,12 +71,35 @@ class CostModel:
     def cost_per_item(self, prompt_tokens: int, generated_tokens: int,
                       completed_items: int) -> float | None:
         """Money per completed item (None before the first completes)."""
-        if completed_items <= 0:
-            return None
-        return self.price_per_gpu_hour * self.gpu_s(prompt_tokens, generated_tokens) / 3600.0 \
-            / completed_items
+        return cost_per_item(self.price_per_gpu_hour,
+                             self.gpu_s(prompt_tokens, generated_tokens), completed_items)
+
+
+def cost_per_item(price_per_gpu_hour: float, gpu_s: float,
+                  completed_items: int) -> float | None:
+    """price_per_gpu_hour * gpu_s / 3600 / completed_items (None before the first)."""
+    if completed_items <= 0:
+        return None
+    return price_per_gpu_hour * gpu_s / 3600.0 / completed_items
 
 
 def per_hour(count: int, elapsed_s: float) -> float:
     """A count as a rate per hour over `elapsed_s` (0 when no time has passed)."""
     return count * 3600.0 / elapsed_s if elapsed_s > 0 else 0.0
+
+
+def fair_share_error(intervals: Iterable[tuple[Mapping[str, float], Collection[str]]],
+                     weights: Mapping[str, float]) -> dict[str, float]:
+    """Per tenant: tokens carried over tokens its weight entitled it to, minus 1, over the
+    (tokens per tenant, contending tenants) intervals where two or more contended."""
+    measured: dict[str, float] = {}
+    expected: dict[str, float] = {}
+    for tokens, contending in intervals:
+        if len(contending) < 2:
+            continue
+        total = sum(tokens.get(t, 0.0) for t in contending)
+        weight_sum = sum(weights[t] for t in contending)
+        for tenant in contending:
+            measured[tenant] = measured.get(tenant, 0.0) + tokens.get(tenant, 0.0)
+            expected[tenant] = expected.get(tenant, 0.0) + total * weights[tenant] / weight_sum
+    return {t: measured[t] / expected[t] - 1.0 for t in sorted(expected) if expected[t] > 0}

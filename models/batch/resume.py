@@ -116,13 +116,29 @@ def remaining_tokens(body: Mapping[str, Any], generated_tokens: int) -> int | No
     return int(body[key]) - generated_tokens
 
 
+def resumed_max_tokens(max_tokens: int, generated_tokens: int) -> int:
+    """The output limit of a continuation: what is left of `max_tokens` (at least 1)."""
+    return max(1, max_tokens - generated_tokens)
+
+
+def continuation_sizes(prompt_tokens: int, max_tokens: int,
+                       generated_tokens: int) -> tuple[int, int]:
+    """(prompt, max output) tokens of the request that continues one cut after
+    `generated_tokens`: the prompt plus the text so far is prefilled again, and the output
+    limit shrinks by what was generated (`resume_body`, in tokens; the simulator's
+    continuations)."""
+    if generated_tokens <= 0:
+        return prompt_tokens, max_tokens
+    return prompt_tokens + generated_tokens, resumed_max_tokens(max_tokens, generated_tokens)
+
+
 def resume_body(url: str, body: Mapping[str, Any], text_so_far: str,
                 generated_tokens: int) -> dict[str, Any]:
     """The request that continues `body` after `text_so_far` (`generated_tokens` long)."""
     out = copy.deepcopy(dict(body))
     key = max_tokens_key(body)
     if key is not None:
-        out[key] = max(1, int(body[key]) - generated_tokens)
+        out[key] = resumed_max_tokens(int(body[key]), generated_tokens)
     if not text_so_far:
         return out
     if url == CHAT_URL:

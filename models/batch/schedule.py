@@ -65,6 +65,17 @@ def edf_order(jobs: Sequence[JobRef]) -> list[JobRef]:
     return sorted(jobs, key=lambda j: (j.deadline_s, j.created_s, j.job_id))
 
 
+def next_job(state: FairState, jobs: Iterable[tuple[str, JobRef]]) -> JobRef | None:
+    """The job the next dispatch takes from, among (tenant, job) pairs with work waiting:
+    the tenant with the smallest start tag, then that tenant's earliest deadline (None when
+    there is none). The workers and the simulator both pick with this."""
+    by_tenant: dict[str, list[JobRef]] = {}
+    for name, job in jobs:
+        by_tenant.setdefault(name, []).append(job)
+    picked = pick_tenant(state, by_tenant)
+    return None if picked is None else edf_order(by_tenant[picked])[0]
+
+
 def dispatch_cost_tokens(prompt_tokens: int, max_output_tokens: int) -> int:
     """What a dispatch is charged: its prompt plus the output it may generate."""
     return max(1, prompt_tokens + max_output_tokens)

@@ -26,6 +26,7 @@ from pathlib import Path
 from borrowd.models.errors import InputError
 from borrowd.models.priority import BATCH_PRIORITY
 from borrowd.models.signals import Slo
+from borrowd.models.sim.jobs_spec import JOB_TABLES, JobsSpec, parse_jobs
 from borrowd.models.sim.profiles import DEFAULT_PROFILE
 
 ROUND_ROBIN = "round-robin"
@@ -119,6 +120,7 @@ class Scenario:
     observe_window_s: float = 5.0
     calibration_s: float = 3600.0
     enforcement: str = ADMISSION
+    jobs: JobsSpec | None = None  # batch jobs (`models.sim.jobs_spec`): the batch demand
 
     def __post_init__(self) -> None:
         if self.replicas <= 0:
@@ -316,13 +318,29 @@ def load_scenario_file(path: str | Path) -> Scenario:
         raise InputError(f"scenario file {path} cannot be read: {exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise InputError(f"scenario file {path}: not valid TOML: {exc}") from None
+    jobs = _pop_jobs(path, data)
     values = _flatten(path, data)
+    if jobs is not None and values.get("batch.mode", BACKLOG) != BACKLOG:
+        raise InputError(f"scenario file {path}: batch.mode {values['batch.mode']!r} does not "
+                         "go with batch.jobs (the jobs are the batch demand)")
     return scenario_from_values(values, base_dir=path.resolve().parent, origin=str(path),
-                                default_name=path.stem)
+                                default_name=path.stem, jobs=jobs)
+
+
+def _pop_jobs(path: Path, data: dict[str, object]) -> JobsSpec | None:
+    """Take the job tables out of `[batch]` and parse them (`models.sim.jobs_spec`)."""
+    batch = data.get("batch")
+    if not isinstance(batch, dict):
+        return None
+    tables = {name: batch.pop(name) for name in JOB_TABLES if name in batch}
+    try:
+        return parse_jobs(tables)
+    except InputError as exc:
+        raise InputError(f"scenario file {path}: {exc}") from None
 
 
 def scenario_from_values(values: dict[str, object], *, base_dir: Path, origin: str,
-                         default_name: str) -> Scenario:
+                         default_name: str, jobs: JobsSpec | None = None) -> Scenario:
     """Build a scenario from flat dotted keys over `seed`'s defaults (see `KEYS`)."""
     for name, value in values.items():
         key = KEYS_BY_NAME.get(name)
@@ -346,6 +364,7 @@ def scenario_from_values(values: dict[str, object], *, base_dir: Path, origin: s
         groups[group][field_name] = value
     fields = groups["scenario"]
     fields.setdefault("name", default_name)
+    fields["jobs"] = jobs
     fields["slo"] = Slo(**groups["slo"])  # type: ignore[arg-type]
     fields["batch"] = BatchWorkload(**groups["batch"])  # type: ignore[arg-type]
     has_burst = any(n.startswith("interactive.burst.") for n in values)

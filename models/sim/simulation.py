@@ -34,6 +34,7 @@ from borrowd.models.sim.cores import DEFAULT_ENGINE, make_engine
 from borrowd.models.sim.engine import DecodeSpan, EngineConfig, StepResult
 from borrowd.models.sim.fleet import Fleet
 from borrowd.models.sim.gate import BatchGate
+from borrowd.models.sim.jobs import JobsSource
 from borrowd.models.sim.policies import PolicySpec
 from borrowd.models.sim.profiles import get_profile
 from borrowd.models.sim.request import ABORTED, BATCH, INTERACTIVE, Request
@@ -42,7 +43,7 @@ from borrowd.models.sim.store import SimElection, SimStore
 from borrowd.models.sim.trace import Lengths, Trace
 from borrowd.models.sim.workload import BatchJob, BatchSource, interactive_arrivals
 
-_TICK, _WAKE, _HOUSE, _FAIL, _RECOVER, _BATCH_ARRIVAL = range(6)
+_TICK, _WAKE, _HOUSE, _FAIL, _RECOVER, _BATCH_ARRIVAL, _JOB_ARRIVAL = range(7)
 INF = math.inf
 
 
@@ -61,6 +62,7 @@ class RunResult:
     batch: dict[str, float]
     interactive_preemptions: int
     budget_timeline: list[dict[str, object]] = field(default_factory=list)
+    jobs: dict[str, object] | None = None  # batch jobs' figures (`models.sim.jobs`)
     group_recorders: list[metrics.Recorder] | None = None
 
     def summary(self) -> dict[str, object]:
@@ -90,6 +92,7 @@ class RunResult:
             },
             "windows": [w.to_json() for w in wins],
             "budget_timeline": self.budget_timeline,
+            **({"jobs": self.jobs} if self.jobs is not None else {}),
             **({"replica_groups": groups} if groups else {}),
         }
 
@@ -160,11 +163,18 @@ class Simulation:
         )
         rng = np.random.default_rng(seed)
         self._rng = rng
-        self.source = (
+        self.source: BatchSource | JobsSource | None = (
             BatchSource(lengths, scenario.batch, rng) if policy.batch and lengths else None
         )
+        # Batch jobs (`models.sim.jobs`), when the scenario has them, are the batch demand.
+        self.jobs = (
+            JobsSource(scenario.jobs, scenario.batch, lengths, np.random.default_rng([seed, 15]))
+            if policy.batch and scenario.jobs is not None else None
+        )
+        if self.jobs is not None:
+            self.source = self.jobs
         self._batch_available = (
-            INF if scenario.batch.mode == BACKLOG else 0.0
+            INF if scenario.batch.mode == BACKLOG and self.jobs is None else 0.0
         )
         self.store = SimStore(scenario.pool, self._enforce)
         self.gate = BatchGate(self.store.gate, lease_ms=math.ceil(self.duration_s * 1000) + 1000)
@@ -211,6 +221,7 @@ class Simulation:
         self.revocations = 0
         self.batch_admissions = 0
         self.budget_timeline: list[dict[str, object]] = []
+        self.batch_gpu_s = 0.0  # step time x the batch share of the step's tokens
 
     # -- events ----------------------------------------------------------------------------
 
@@ -265,6 +276,7 @@ class Simulation:
         if with_batch:
             rec.batch_tokens_per_s[sec] += res.batch_tokens
             self.batch_computed_tokens += res.batch_tokens
+            self.batch_gpu_s += res.duration_s * res.batch_tokens / res.scheduled_tokens
         if res.interactive_waiting:
             # Attribution: interactive queue wait spent in steps carrying batch tokens.
             waited = res.interactive_waiting * res.duration_s
@@ -323,11 +335,14 @@ class Simulation:
         self.gate.release(admission, req.output_tokens, now)
         self.batch_recomputed_tokens += req.recomputed_tokens
         job.generated_tokens += req.output_tokens
+        if self.jobs is not None:
+            self.jobs.attempt_ended(job, req, now)
         if job.remaining_output_tokens > 0:
             # Output cap reached before the job's end: it resumes later from its prompt
             # plus what it generated, and that prefix is computed again.
             job.recomputed_tokens += req.prompt_tokens + req.output_tokens
             self.batch_recomputed_tokens += req.prompt_tokens + req.output_tokens
+            self._batch_available += 1
             self.source.push_front(job)  # type: ignore[union-attr]
             return
         self.batch_completed += 1
@@ -388,12 +403,14 @@ class Simulation:
             del self._batch_inflight[rid]
             self.fleet.done(req)
             self.revocations += 1
-            self._requeue_batch(req, job)
+            self._requeue_batch(req, job, now)
 
-    def _requeue_batch(self, req: Request, job: BatchJob) -> None:
+    def _requeue_batch(self, req: Request, job: BatchJob, now: float) -> None:
         """Put an aborted batch request's job back at the head of the backlog."""
         done_output = min(req.output_tokens, job.remaining_output_tokens)
         job.generated_tokens += done_output
+        if self.jobs is not None:
+            self.jobs.attempt_ended(job, req, now)
         lost = req.computed_tokens
         job.recomputed_tokens += lost
         self.batch_recomputed_tokens += lost + req.recomputed_tokens
@@ -550,7 +567,7 @@ class Simulation:
                 if entry is not None:
                     self._admitted.pop(entry[2], None)
                     self.gate.release(entry[2], req.output_tokens, now)
-                    self._requeue_batch(req, entry[1])
+                    self._requeue_batch(req, entry[1], now)
         self._pump_batch(now)
 
     def _recover(self, r: int, now: float) -> None:
@@ -581,6 +598,9 @@ class Simulation:
                 self._push(f1, _RECOVER, sc.failure.replica)
         if self.source is not None and sc.batch.mode != BACKLOG and sc.batch.submit_rate_per_s > 0:
             self._push(self._rng.exponential(1.0 / sc.batch.submit_rate_per_s), _BATCH_ARRIVAL)
+        if self.jobs is not None:
+            for arrival_s, index in self.jobs.arrivals():
+                self._push(arrival_s, _JOB_ARRIVAL, index)
 
         arr_t = self.arrivals.arrival_s.tolist()
         arr_p = self.arrivals.prompt_tokens.tolist()
@@ -656,11 +676,17 @@ class Simulation:
                     self._pump_batch(t)
             elif kind == _HOUSE:
                 self._housekeeping(t)
+                if self.jobs is not None:
+                    self.jobs.sample(t, ((q, j) for q, j, _ in self._batch_inflight.values()))
                 self._push(t + 1.0, _HOUSE)
             elif kind == _FAIL:
                 self._fail(arg, t)
             elif kind == _RECOVER:
                 self._recover(arg, t)
+            elif kind == _JOB_ARRIVAL:
+                assert self.jobs is not None
+                self._batch_available += self.jobs.arrive(arg)
+                self._pump_batch(t)
             elif kind == _BATCH_ARRIVAL:
                 self._batch_available += 1
                 self._pump_batch(t)
@@ -680,6 +706,11 @@ class Simulation:
             batch=self._batch_figures(),
             interactive_preemptions=self.interactive_preemptions,
             budget_timeline=self.budget_timeline,
+            jobs=None if self.jobs is None else self.jobs.report(
+                duration,
+                ((q, j) for q, j, _ in self._batch_inflight.values()),
+                self.batch_gpu_s,
+            ).to_json(),
             group_recorders=self.group_recs,
         )
 
