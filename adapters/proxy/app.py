@@ -3,13 +3,14 @@
 Per request: API key -> tenant -> class (a header may demote to batch, never promote);
 body validated (400 names the field); batch requests pass the gate (429/503 when denied)
 and get `max_tokens` clamped to the budget's output cap; the body is forwarded with
-vLLM's `priority` injected to the upstream with the fewest outstanding requests, over
-keep-alive connections. Streams are relayed event by event from the upstream connection's
-data callback straight to the client's (`http1`, `upstream_http`: no task switch per
-chunk). Batch requests are always streamed from the upstream (a non-streaming batch client
-gets the response assembled by the proxy, tool calls, reasoning and logprobs included), so
-they too can be revoked; a batch stream's per-chunk usage (asked for to count its tokens)
-reaches the client only if it asked for it. Interactive non-streaming requests are passed
+vLLM's `priority` injected to the upstream with the fewest outstanding requests (batch only
+to the upstreams named in `batch_upstreams`, when any are), over keep-alive connections.
+Streams are relayed event by event from the upstream connection's data callback straight
+to the client's (`http1`, `upstream_http`: no task switch per chunk). Batch requests are
+always streamed from the upstream (a non-streaming batch client gets the response
+assembled by the proxy, tool calls, reasoning and logprobs included), so they too can be
+revoked; a batch stream's per-chunk usage (asked for to count its tokens) reaches the
+client only if it asked for it. Interactive non-streaming requests are passed
 through unchanged (no TTFT is observable for them).
 
 A revoked batch request (budget cut, lease lost, proxy shutting down) ends resumably, with
@@ -112,7 +113,7 @@ class ProxyServer:
         self.clock = clock
         self.registry = CollectorRegistry()
         self.metrics = ProxyMetrics(config.pool, self.registry, clock)
-        self.upstreams = UpstreamPool(config.upstreams)
+        self.upstreams = UpstreamPool(config.upstreams, config.batch_upstreams)
         self.admitter = BatchAdmitter(gate, config.admission, clock)
         self.batch = BatchRegistry()
         count_text = (load_tokenizer(config.tokenizer_path) if config.tokenizer_path
@@ -335,7 +336,7 @@ class ProxyServer:
         metrics.tracker.waiting(klass, ex.request_id, ex.arrived_s)
         try:
             try:
-                upstream, resp = await self._open(req.endpoint, body, ex.request_id)
+                upstream, resp = await self._open(req.endpoint, body, ex.request_id, batch)
             except UpstreamFailure as exc:
                 ex.outcome = exc.outcome
                 _error(out, exc.status, str(exc), "upstream_error")
@@ -344,7 +345,7 @@ class ProxyServer:
                 try:
                     await self._relay_error(out, exc.resp, exc.upstream)
                 finally:
-                    UpstreamPool.release(exc.upstream)
+                    UpstreamPool.release(exc.upstream, batch=batch)
                 return
             # Everything below that drops this exchange's connection must not touch the
             # connection once it went back to the pool for another request.
@@ -361,7 +362,7 @@ class ProxyServer:
             finally:
                 # A response not read to its end drops its connection: vLLM aborts it.
                 abort()
-                UpstreamPool.release(upstream)
+                UpstreamPool.release(upstream, batch=batch)
         except asyncio.CancelledError:
             ex.outcome = "client_disconnect"
             raise
@@ -374,21 +375,22 @@ class ProxyServer:
             if ex.outcome == "revoked":
                 metrics.revocations.inc()
 
-    async def _open(self, endpoint: Endpoint, body: bytes, request_id: str
+    async def _open(self, endpoint: Endpoint, body: bytes, request_id: str, batch: bool
                     ) -> tuple[Upstream, UpstreamResponse]:
-        """Send the request to the least busy upstream; on a refused connection or a 503
-        ("try another instance", nothing generated yet) go on to the next one."""
+        """Send the request to the least busy upstream its class may use (batch: an eligible
+        one); on a refused connection or a 503 ("try another instance", nothing generated
+        yet) go on to the next one."""
         assert self.client is not None
         headers = self._upstream_headers(request_id)
         refused = 0
-        candidates = self.upstreams.candidates()
+        candidates = self.upstreams.candidates(batch=batch)
         for index, upstream in enumerate(candidates):
-            UpstreamPool.acquire(upstream)
+            UpstreamPool.acquire(upstream, batch=batch)
             try:
                 resp = await self.client.request(upstream.base_url, "POST", endpoint.path,
                                                  headers, body)
             except UpstreamError as exc:
-                UpstreamPool.release(upstream)
+                UpstreamPool.release(upstream, batch=batch)
                 log.warning("upstream %s failed for %s: %s (%s)", upstream.base_url,
                             request_id, exc, exc.kind)
                 if exc.kind == "connect":
@@ -398,7 +400,7 @@ class ProxyServer:
                     raise UpstreamFailure(504, "timeout", "upstream timed out") from None
                 raise UpstreamFailure(502, "error", f"upstream failed ({exc.kind})") from None
             except BaseException:
-                UpstreamPool.release(upstream)
+                UpstreamPool.release(upstream, batch=batch)
                 raise
             if resp.status == 200:
                 return upstream, resp
@@ -407,7 +409,7 @@ class ProxyServer:
                             upstream.base_url, request_id)
                 with contextlib.suppress(UpstreamError):
                     await resp.read()
-                UpstreamPool.release(upstream)
+                UpstreamPool.release(upstream, batch=batch)
                 continue
             raise UpstreamStatus(upstream, resp)
         raise UpstreamFailure(502, "error", f"no upstream reachable ({refused} tried)")

@@ -108,6 +108,11 @@ class ProxyConfig:
     upstreams: tuple[str, ...] = field(
         default=(), metadata=meta("URLs", "vLLM base URLs (http://host:port), least outstanding")
     )
+    batch_upstreams: tuple[str, ...] = field(
+        default=(),
+        metadata=meta("URLs", "the upstreams that may take batch, each one of `upstreams` "
+                      "(empty: all); interactive keeps using every upstream"),
+    )
     upstream_api_key: str | None = field(
         default=None, metadata=meta("key", "bearer key sent to the upstreams (vLLM --api-key)")
     )
@@ -270,6 +275,14 @@ def _validate(config: ProxyConfig) -> None:
             raise ConfigError(
                 f"proxy.upstreams[{index}]: bad value {url!r} (an http(s)://host:port URL)"
             )
+    known = {url.rstrip("/") for url in config.upstreams}
+    for index, url in enumerate(config.batch_upstreams):
+        if url.rstrip("/") not in known:
+            raise ConfigError(
+                f"proxy.batch_upstreams[{index}]: {url!r} is not one of proxy.upstreams"
+            )
+    if len({url.rstrip("/") for url in config.batch_upstreams}) < len(config.batch_upstreams):
+        raise ConfigError("proxy.batch_upstreams: names an upstream more than once")
     if config.batch_priority <= config.interactive_priority:
         raise ConfigError(
             f"proxy.batch_priority: {config.batch_priority} must be above "

@@ -70,11 +70,17 @@ def _with(section: str, key: str, value) -> dict:
         (_with("admission", "gate_timeout_s", float("nan")), "admission.gate_timeout_s: must be"),
         (_with("admission", "queue_max_wait_s", float("inf")), "admission.queue_max_wait_s"),
         (_with("proxy", "upstream_read_timeout_s", 0.0), "proxy.upstream_read_timeout_s: 0.0"),
+        (_with("proxy", "batch_upstreams", ["http://127.0.0.1:9"]),
+         "proxy.batch_upstreams[0]: 'http://127.0.0.1:9' is not one of proxy.upstreams"),
+        (_with("proxy", "batch_upstreams", ["http://127.0.0.1:8100", "http://127.0.0.1:8100/"]),
+         "proxy.batch_upstreams: names an upstream more than once"),
+        (_with("proxy", "batch_upstreams", "http://127.0.0.1:8100"), "proxy.batch_upstreams"),
     ],
     ids=["port-string", "port-range", "no-upstreams", "bad-scheme", "zero-body", "braces",
          "bool-string", "unknown-proxy-key", "bad-mode", "negative-wait", "bad-class",
          "empty-keys", "duplicate-key", "no-tenants", "unknown-table", "batch-ahead-of-interactive",
-         "nan-gate-timeout", "inf-wait", "zero-read-timeout"],
+         "nan-gate-timeout", "inf-wait", "zero-read-timeout", "unknown-batch-upstream",
+         "duplicate-batch-upstream", "batch-upstreams-not-a-list"],
 )
 def test_bad_config_names_the_key(data: dict, needle: str) -> None:
     """A bad value raises ConfigError naming its key."""
