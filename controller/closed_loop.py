@@ -248,7 +248,8 @@ class ExcitationPolicy:
         self.applied.append(u)
         self.observations.append(obs)
         mode = Mode.STOPPED if stopped else Mode.OPEN
-        budget = derive_budget(self.pool, mode, "identification", u, self.config.caps)
+        budget = derive_budget(self.pool, mode, "identification", u, self.config.caps,
+                               kv_capacity_tokens=obs.kv_capacity_tokens)
         return Decision(budget=budget, u_law=u, events=())
 
 

@@ -226,7 +226,7 @@ class ControllerPolicy:
                 f"{decision.reason}; rollout ceiling {ceiling_tokens_per_s:g}"))
         self.law.applied(proposal.tick, decision.u)
         self.u_applied = decision.u
-        budget = self.caps.budget(decision, now_s)
+        budget = self.caps.budget(decision, now_s, obs.kv_capacity_tokens)
         return Decision(budget=budget, u_law=proposal.u_tokens_per_s, events=decision.events)
 
     def state(self) -> dict[str, float]:

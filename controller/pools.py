@@ -35,8 +35,9 @@ def burn_matches_rules(controller: ControllerConfig) -> bool:
 
 def sized_to_eligible(controller: ControllerConfig, share: float) -> ControllerConfig:
     """`controller` with its pool-wide limits scaled to the `share` of the replicas that
-    may take batch: u_max (the law's upper limit), the ramp's cap, and the sequence and KV
-    caps (at least 1 each). A share of 1 leaves it as written."""
+    may take batch: u_max (the law's upper limit), the ramp's cap, the sequence cap (at least
+    1), and the KV cap's share of the pool's capacity (and its absolute ceiling when set, at
+    least 1). A share of 1 leaves it as written."""
     if share >= 1.0:
         return controller
     caps = controller.caps
@@ -50,7 +51,9 @@ def sized_to_eligible(controller: ControllerConfig, share: float) -> ControllerC
         caps=dataclasses.replace(
             caps,
             max_seqs=max(1, math.ceil(caps.max_seqs * share)),
-            max_kv_tokens=max(1, math.ceil(caps.max_kv_tokens * share)),
+            max_kv_frac=caps.max_kv_frac * share,
+            max_kv_tokens=(None if caps.max_kv_tokens is None
+                           else max(1, math.ceil(caps.max_kv_tokens * share))),
         ),
     )
 

@@ -25,6 +25,7 @@ DEFAULT_ENGINE = "native"
 class EngineCore(Protocol):
     """What the fleet needs from one replica's engine."""
 
+    config: EngineConfig
     running: list[Request]
     requests: dict[str, Request]
     num_preemptions: int

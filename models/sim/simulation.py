@@ -500,6 +500,8 @@ class Simulation:
             ttft_samples=ttft_n,
             itl_over_slo_batch_frac=itl_batch,
             interactive_wait_batch_frac=waited_batch / waited if waited > 0 else math.nan,
+            kv_capacity_tokens=float(sum(
+                e.config.num_gpu_blocks * e.config.block_size for e in engines)),
         )
 
     # -- interactive requests, failures, housekeeping --------------------------------------

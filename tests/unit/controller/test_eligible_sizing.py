@@ -25,7 +25,7 @@ def test_limits_scale_with_the_eligible_share() -> None:
     assert b.u_max_tokens_per_s == a.u_max_tokens_per_s / 2
     assert b.supervisor.ramp_cap_tokens_per_s == a.supervisor.ramp_cap_tokens_per_s / 2
     assert b.caps.max_seqs == a.caps.max_seqs // 2
-    assert b.caps.max_kv_tokens == a.caps.max_kv_tokens // 2
+    assert b.caps.max_kv_frac == a.caps.max_kv_frac / 2
     assert build_pool_policy(half).config.u_max_tokens_per_s == b.u_max_tokens_per_s
 
 
