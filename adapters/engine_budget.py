@@ -60,6 +60,7 @@ class PluginConfig:
     min_batch_tokens_per_step: int = DEFAULT_MIN_BATCH_TOKENS_PER_STEP
     engines_in_pool: int = 1
     metrics_listen: tuple[str, int] | None = None
+    batch_eligible: bool = True
 
     def __post_init__(self) -> None:
         if not self.pool:
@@ -78,8 +79,10 @@ class PluginConfig:
     def from_env(cls, env: Mapping[str, str] | None = None) -> PluginConfig:
         """Read `BORROWD_POOL` (required), `BORROWD_REDIS_URL`, `BORROWD_BATCH_PRIORITY`,
         `BORROWD_BUDGET_POLL_S`, `BORROWD_MIN_BATCH_TOKENS_PER_STEP`, `BORROWD_POOL_ENGINES`
-        (how many engines share the pool's budget, default 1), `BORROWD_METRICS_LISTEN`
-        (HOST:PORT of the plugin's own /metrics, default none)."""
+        (how many engines share the pool's budget, default 1: with batch on some engines
+        only, the eligible ones), `BORROWD_METRICS_LISTEN` (HOST:PORT of the plugin's own
+        /metrics, default none), `BORROWD_BATCH_ELIGIBLE` (`true`, the default, or `false`:
+        this engine may not take batch and schedules none, whatever the budget)."""
         from borrowd.adapters.redis_conn import resolve_redis_url
 
         env = os.environ if env is None else env
@@ -93,7 +96,21 @@ class PluginConfig:
                                                   DEFAULT_MIN_BATCH_TOKENS_PER_STEP),
             engines_in_pool=_env_number(env, "BORROWD_POOL_ENGINES", int, 1),
             metrics_listen=_env_listen(env, "BORROWD_METRICS_LISTEN"),
+            batch_eligible=_env_bool(env, "BORROWD_BATCH_ELIGIBLE", True),
         )
+
+
+def _env_bool(env: Mapping[str, str], name: str, default: bool) -> bool:
+    text = env.get(name)
+    if text is None or text == "":
+        return default
+    value = _BOOLS.get(text.strip().lower())
+    if value is None:
+        raise ConfigError(f"{name} must be true or false, got {text!r}")
+    return value
+
+
+_BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
 def _env_listen(env: Mapping[str, str], name: str) -> tuple[str, int] | None:

@@ -26,9 +26,12 @@ or closed record means zero batch tokens. The record is read off the scheduling 
 Environment: `BORROWD_POOL` (required), `BORROWD_REDIS_URL` (default
 redis://127.0.0.1:6379/0), `BORROWD_BATCH_PRIORITY` (10), `BORROWD_BUDGET_POLL_S` (1.0),
 `BORROWD_MIN_BATCH_TOKENS_PER_STEP` (16, the floor; never below one decode with all its
-speculative tokens), `BORROWD_POOL_ENGINES` (1), `BORROWD_METRICS_LISTEN` (HOST:PORT where
+speculative tokens), `BORROWD_POOL_ENGINES` (1; the engines sharing the pool's budget: the
+eligible ones when batch is restricted to some), `BORROWD_METRICS_LISTEN` (HOST:PORT where
 the engine core serves the interference series of `adapters.interference`; the port is
-offset by the engine's data-parallel rank; unset: not served).
+offset by the engine's data-parallel rank; unset: not served), `BORROWD_BATCH_ELIGIBLE`
+(true; false on an engine outside the pool's batch set: it reads no budget and schedules no
+batch token, so its interactive requests are scheduled as if no batch were queued).
 
 Each step it counts, by whether the step carried batch tokens, the interactive inter-token
 gaps it ended and the interactive queue wait it held (`adapters.interference`): vLLM's own
@@ -57,6 +60,7 @@ from borrowd.adapters.engine_budget import (
     INITIAL_STEP_S,
     BudgetSource,
     PluginConfig,
+    StaticBudgetSource,
     StepTimer,
     batch_seq_cap,
     batch_tokens_per_step,
@@ -123,7 +127,8 @@ class BudgetEnforcement(_SchedulerBase):
         self._step_clock = step_clock
         self._watcher: BudgetWatcher | None = None
         if budget_source is None:
-            budget_source = self._start_watcher()
+            budget_source = (self._start_watcher() if self.plugin_config.batch_eligible
+                             else StaticBudgetSource())
         self.budget_source = budget_source
         self.step_timer = StepTimer()
         self.budget: Budget | None = None
@@ -170,9 +175,9 @@ class BudgetEnforcement(_SchedulerBase):
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         """vLLM's schedule with this step's batch allowance and sequence cap in force."""
-        self.budget = engine_share(
-            self.budget_source.current(self._clock()), self.plugin_config.engines_in_pool
-        )
+        current = (self.budget_source.current(self._clock())
+                   if self.plugin_config.batch_eligible else None)
+        self.budget = engine_share(current, self.plugin_config.engines_in_pool)
         self.batch_allowance = batch_tokens_per_step(
             self.budget, self.step_timer.recent_s, self.plugin_config.min_batch_tokens_per_step
         )

@@ -189,6 +189,34 @@ def test_interactive_never_held_back(store: BudgetStore, budget: Budget | None) 
     assert traces[0] == traces[1]
 
 
+def test_engine_outside_the_batch_set_schedules_no_batch(
+    store: BudgetStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With BORROWD_BATCH_ELIGIBLE=false an open budget in Redis gives this engine no batch
+    token, and its interactive requests are scheduled step for step as on an engine with no
+    batch queued at all (a queued batch request holds no KV and no step budget)."""
+    _publish(store, _budget(1_000_000.0))
+    monkeypatch.setenv("BORROWD_BATCH_ELIGIBLE", "false")
+    stream = [(f"i{i}", 300 + 700 * i, 20) for i in range(8)]
+    traces = []
+    for with_batch in (False, True):
+        sched = h.scheduler(h.engine_config(long_prefill_token_threshold=1024),
+                            BorrowdScheduler, step_clock=StepClock())
+        _LIVE.append(sched)
+        assert not sched.plugin_config.batch_eligible
+        if with_batch:
+            h.add(sched, "b0", 32768, 16, priority=h.BATCH_PRIORITY)
+            h.add(sched, "b1", 4000, 16, priority=h.BATCH_PRIORITY)
+        for k, (rid, prompt, out) in enumerate(stream):
+            h.add(sched, rid, prompt, out, priority=h.INTERACTIVE_PRIORITY, arrival_s=float(k))
+        traces.append([h.step(sched) for _ in range(40)])
+        if with_batch:
+            assert sched.requests["b0"].num_computed_tokens == 0
+            assert sched.requests["b1"].num_computed_tokens == 0
+    assert all(_batch_tokens(step) == 0 for step in traces[1])
+    assert traces[0] == traces[1]
+
+
 @pytest.mark.parametrize("name", ["BorrowdScheduler", "BorrowdAsyncScheduler"])
 def test_vllm_resolves_the_scheduler_cls_option(name: str) -> None:
     """`--scheduler-cls borrowd.adapters.vllm_plugin.NAME` resolves to the plugin class."""

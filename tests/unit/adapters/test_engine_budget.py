@@ -116,3 +116,19 @@ def test_pool_engines_from_env_is_validated(text: str, message: str) -> None:
     """BORROWD_POOL_ENGINES must be a whole number >= 1, named in the error."""
     with pytest.raises(ConfigError, match=f"BORROWD_POOL_ENGINES must be .*{message}"):
         PluginConfig.from_env({"BORROWD_POOL": "chat", "BORROWD_POOL_ENGINES": text})
+
+
+@pytest.mark.parametrize(("text", "eligible"),
+                         [(None, True), ("true", True), ("1", True), ("false", False),
+                          ("NO", False), ("0", False)],
+                         ids=["unset", "true", "one", "false", "no", "zero"])
+def test_batch_eligible_from_env(text: str | None, eligible: bool) -> None:
+    """BORROWD_BATCH_ELIGIBLE says whether this engine may take batch (default: yes)."""
+    env = {"BORROWD_POOL": "chat"} | ({"BORROWD_BATCH_ELIGIBLE": text} if text else {})
+    assert PluginConfig.from_env(env).batch_eligible is eligible
+
+
+def test_batch_eligible_must_be_a_boolean() -> None:
+    """A value that is not true or false stops start-up naming the variable."""
+    with pytest.raises(ConfigError, match="BORROWD_BATCH_ELIGIBLE must be true or false, got"):
+        PluginConfig.from_env({"BORROWD_POOL": "chat", "BORROWD_BATCH_ELIGIBLE": "maybe"})
