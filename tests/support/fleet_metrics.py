@@ -62,6 +62,10 @@ class FakeFleetMetrics:
                              registry=v)
         self.preemptions = Counter("vllm:num_preemptions", "preemptions",
                                    ["model_name", "engine"], registry=v)
+        # One engine of an 8B model on an 80 GB GPU, sized as vLLM reports it (the batch KV
+        # cap is a share of this capacity).
+        Gauge("vllm:cache_config_info", "cache config", ["block_size", "num_gpu_blocks",
+              "engine"], registry=v).labels("16", "24750", "0").set(1)
         self.port = free_port()
         self.vllm_port = free_port()
         self._servers: list = []
