@@ -56,6 +56,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import structlog
 from borrowd.adapters.engine_budget import (
     INITIAL_STEP_S,
     BudgetSource,
@@ -162,7 +163,12 @@ class BudgetEnforcement(_SchedulerBase):
         listen = self.plugin_config.metrics_listen
         if listen is not None:
             host, port = listen
-            start_http_server(port + rank, host, registry=self.metrics_registry)
+            try:
+                start_http_server(port + rank, host, registry=self.metrics_registry)
+            except OSError as exc:
+                # The engine serves on without them: the daemon reads the shares as missing.
+                structlog.get_logger(__name__).warning(
+                    "plugin_metrics_not_served", listen=f"{host}:{port + rank}", error=str(exc))
         return StepAttribution(metrics, INITIAL_STEP_S)
 
     def is_batch(self, request: Request) -> bool:

@@ -7,6 +7,7 @@ that the plugin serves those series on `BORROWD_METRICS_LISTEN`.
 
 from __future__ import annotations
 
+import socket
 import urllib.request
 
 import pytest
@@ -126,3 +127,17 @@ def test_plugin_serves_its_series_on_metrics_listen() -> None:
         text = resp.read().decode()
     assert f'{ITL_METRIC}_count{{batch_step="false",engine="0"' in text
     assert f"{WAIT_METRIC}_total" in text
+
+
+def test_a_taken_metrics_port_does_not_stop_the_engine() -> None:
+    """A metrics port already in use leaves the series unserved, never the engine down."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        sched = _plugin(StaticBudgetSource(_open_budget()), listen=("127.0.0.1", port))
+        h.add(sched, "i0", 100, 3)
+        for _ in range(3):
+            h.step(sched)
+    assert "i0" not in sched.requests  # finished
+    assert _value(sched.metrics_registry, ITL_METRIC + "_count", "false") == 2
