@@ -7,6 +7,8 @@ settle, and holds long enough for the p95 and p99 estimates at the current inter
 against the SLOs and the baseline (`models.rollout.burns`); a burn, or a recorded short-window
 p95 past its SLO during the hold, ends the rollout at the last good step (0 when none was
 good). The accepted ceiling stays in Redis; the run is kept at `borrowd:{POOL}:rollout`.
+Start with a small set of replicas eligible for batch (the proxy's `batch_upstreams`, the
+engines' `BORROWD_BATCH_ELIGIBLE`, the pool's `batch_replicas`) and widen it step by step.
 """
 
 from __future__ import annotations

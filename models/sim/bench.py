@@ -218,6 +218,7 @@ GROUP_COLUMNS = (
     ("itl p95 ms", "itl_p95_s", "{:.1f}", 1000.0),
     ("itl p99 ms", "itl_p99_s", "{:.1f}", 1000.0),
     ("success", "success_rate", "{:.4f}", 1.0),
+    ("slo win", "slo_windows_met_frac", "{:.3f}", 1.0),
     ("requests", "requests", "{}", 1.0),
 )
 

@@ -108,8 +108,11 @@ class RunResult:
         for name, replicas, rec in zip(("batch", "other"), members, self.group_recorders,
                                        strict=True):
             fig = rec.interactive_figures(-1.0, self.duration_s + 1.0)
+            wins = metrics.windows(rec, self.duration_s, sc.window_s, len(replicas), sc.slo)
             out.append({"group": name, "replicas": list(replicas),
-                        **{k: metrics.json_number(v) for k, v in fig.items()}})
+                        **{k: metrics.json_number(v) for k, v in fig.items()},
+                        "slo_windows_met_frac": round(sum(w.slo_met for w in wins) / len(wins),
+                                                      4)})
         return out
 
 
