@@ -6,10 +6,16 @@ import math
 
 import pytest
 from borrowd.controller.caps import Capped, CapsConfig, derive_budget, kv_ceiling_tokens
+from borrowd.controller.closed_loop import SimControllers
 from borrowd.controller.config import config_from_mapping
 from borrowd.controller.supervisor import SupervisorDecision, SupervisorState
 from borrowd.models.budget import Mode
 from borrowd.models.errors import ConfigError
+from borrowd.models.sim.policies import parse_policy
+from borrowd.models.sim.profiles import get_profile
+from borrowd.models.sim.run import load_inputs
+from borrowd.models.sim.scenario import get_scenario
+from borrowd.models.sim.simulation import Simulation
 
 HIGH_RATE = 200_000.0  # x kv_residence_s 10 s = 2M tokens: the ceiling binds
 
@@ -84,3 +90,20 @@ def test_old_configs_with_max_kv_tokens_still_load() -> None:
     caps = pool.controller.caps
     assert caps.max_kv_tokens == 800_000 and caps.max_kv_frac == 0.5
     assert kv_ceiling_tokens(caps, 4_000_000.0) == 800_000
+
+
+def test_simulated_pool_reports_its_engines_capacity_and_caps_within_it() -> None:
+    """The simulator observes the KV cache of its engines that are up (seed: 4 x 396k
+    tokens, one fewer while a replica is down), and the daemon's policy never publishes a
+    batch KV cap above max_kv_frac of it."""
+    seed = get_scenario("seed")
+    trace, lengths = load_inputs(seed)
+    sim = Simulation(seed, parse_policy("pi", seed, None, SimControllers()), duration_s=120.0,
+                     seed=0, trace=trace, rate_scale=0.2358, lengths=lengths)
+    timeline = sim.run().summary()["budget_timeline"]
+    per_engine = get_profile(seed.profile).kv_capacity_tokens
+    assert sim.observe(seed.pool, 120.0).kv_capacity_tokens == 4 * per_engine
+    caps = [entry["max_batch_kv_tokens"] for entry in timeline]  # type: ignore[index]
+    assert max(caps) > 0 and max(caps) <= CapsConfig().max_kv_frac * 4 * per_engine
+    sim.fleet.up[0] = False
+    assert sim.observe(seed.pool, 120.0).kv_capacity_tokens == 3 * per_engine
