@@ -14,7 +14,8 @@ Keys (one job's keys share the hash tag `{JOB}`, so its Lua scripts work on a cl
 - `borrowd:batch:done:TENANT:KEY` (hash): output lines of completed custom_ids per job key
   (idempotent re-submission); `borrowd:batch:jobkey:TENANT:KEY`: the active job of a key.
 - `borrowd:batch:tenant:NAME` (hash): the tenant's counters; `borrowd:batch:fair` (hash):
-  fair-share finish tags (`t:NAME`) and virtual time (`v`).
+  fair-share finish tags (`t:NAME`), virtual time (`v`) and expected costs (`c:NAME`),
+  shared by every worker (`models.batch.schedule`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,12 @@ from typing import Any
 
 import redis.asyncio
 from borrowd.models.batch.openai_format import STATUS_TIME_FIELD, TRANSITIONS, Status
-from borrowd.models.batch.schedule import FairState
+from borrowd.models.batch.schedule import (
+    COST_SMOOTHING,
+    DEFAULT_COST_TOKENS,
+    FairState,
+    Settlement,
+)
 
 PREFIX = "borrowd:batch"
 GROUP = "workers"
@@ -57,13 +63,31 @@ for i = 5, #ARGV do
 end
 return 0
 """
-_CHARGE = """
-local f = tonumber(redis.call('HGET', KEYS[1], 't:' .. ARGV[1]) or '0')
+_DISPATCH = """
 local v = tonumber(redis.call('HGET', KEYS[1], 'v') or '0')
-local s = math.max(f, v)
-redis.call('HSET', KEYS[1], 't:' .. ARGV[1], tostring(s + tonumber(ARGV[2])))
-if s > v then redis.call('HSET', KEYS[1], 'v', tostring(s)) end
-return tostring(s)
+local best, best_s, best_w
+for i = 2, #ARGV, 2 do
+  local f = tonumber(redis.call('HGET', KEYS[1], 't:' .. ARGV[i]) or '0')
+  local s = math.max(f, v)
+  if best == nil or s < best_s or (s == best_s and ARGV[i] < best) then
+    best, best_s, best_w = ARGV[i], s, tonumber(ARGV[i + 1])
+  end
+end
+if best == nil then return false end
+local c = tonumber(redis.call('HGET', KEYS[1], 'c:' .. best) or ARGV[1])
+redis.call('HSET', KEYS[1], 't:' .. best, tostring(best_s + c / best_w))
+if best_s > v then redis.call('HSET', KEYS[1], 'v', tostring(best_s)) end
+return {best, tostring(c)}
+"""
+_SETTLE = """
+local f = tonumber(redis.call('HGET', KEYS[1], 't:' .. ARGV[1]) or '0')
+redis.call('HSET', KEYS[1], 't:' .. ARGV[1], tostring(f + tonumber(ARGV[2])))
+if ARGV[3] ~= '' then
+  local c = tonumber(redis.call('HGET', KEYS[1], 'c:' .. ARGV[1]) or ARGV[5])
+  local a = tonumber(ARGV[4])
+  redis.call('HSET', KEYS[1], 'c:' .. ARGV[1], tostring(c + a * (tonumber(ARGV[3]) - c)))
+end
+return 1
 """
 
 
@@ -110,7 +134,8 @@ class BatchStore:
         self.client: Any = client
         self._complete = client.register_script(_COMPLETE)
         self._move = client.register_script(_MOVE)
-        self._charge = client.register_script(_CHARGE)
+        self._dispatch = client.register_script(_DISPATCH)
+        self._settle = client.register_script(_SETTLE)
 
     # -- files -----------------------------------------------------------------------
 
@@ -365,14 +390,29 @@ class BatchStore:
             await self.client.delete(name)
 
     async def fair_state(self) -> FairState:
-        """Fair-share finish tags and virtual time."""
+        """Fair-share finish tags, virtual time and expected costs."""
         raw = await self.client.hgetall(FAIR)
         tags = {k[2:]: float(v) for k, v in raw.items() if k.startswith("t:")}
-        return FairState(tags, float(raw.get("v", 0.0)))
+        costs = {k[2:]: float(v) for k, v in raw.items() if k.startswith("c:")}
+        return FairState(tags, float(raw.get("v", 0.0)), costs)
 
-    async def charge(self, tenant: str, weighted_cost: float) -> None:
-        """Charge a dispatch to a tenant (`schedule.charge`, atomically)."""
-        await self._charge(keys=[FAIR], args=[tenant, repr(float(weighted_cost))])
+    async def dispatch(self, weights: Mapping[str, float]) -> tuple[str, float] | None:
+        """Pick a backlogged tenant (tenant -> weight) and charge it its expected cost, in
+        one script (`schedule.dispatch`); (tenant, tokens charged), or None."""
+        args: list[str] = [repr(DEFAULT_COST_TOKENS)]
+        for tenant, weight in sorted(weights.items()):
+            args += [tenant, repr(float(weight))]
+        reply = await self._dispatch(keys=[FAIR], args=args)
+        if not reply:
+            return None
+        return str(reply[0]), float(reply[1])
+
+    async def settle(self, tenant: str, settled: Settlement,
+                     smoothing: float = COST_SMOOTHING) -> None:
+        """Settle an ended dispatch of a tenant (`schedule.settle`, atomically)."""
+        cost = "" if settled.cost_tokens is None else repr(settled.cost_tokens)
+        await self._settle(keys=[FAIR], args=[tenant, repr(float(settled.tag_delta)), cost,
+                                              repr(float(smoothing)), repr(DEFAULT_COST_TOKENS)])
 
     async def try_lock(self, job_id: str, holder: str, ttl_ms: int) -> bool:
         """Take a job's finalization lock."""

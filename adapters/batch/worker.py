@@ -1,14 +1,16 @@
 """`borrowd batch worker`: runs batch items through the proxy, resuming what is revoked.
 
 Each of `concurrency` slots picks the next item: the backlogged tenant with the smallest
-fair-share start tag (`models.batch.schedule`), that tenant's earliest-deadline job, an
-item another worker left silent past `claim_idle_s` (XAUTOCLAIM) or else a new one
-(XREADGROUP). The item runs attempt after attempt until it finishes: a revoked or broken
-stream resumes from its text so far, a 429/503 waits its Retry-After, a 4xx ends it in the
-error file. Progress is checkpointed to Redis every `checkpoint_tokens`, so an item taken
-over from a dead worker resumes too. The result is recorded once (HSETNX) and the entry
-acknowledged in one script. A heartbeat keeps this worker's entries from being reclaimed
-while it lives; an entry another worker took over is dropped here.
+fair-share start tag, charged its expected cost in the same Redis script
+(`schedule.dispatch`), then that tenant's earliest-deadline job, an item another worker
+left silent past `claim_idle_s` (XAUTOCLAIM) or else a new one (XREADGROUP). The item runs
+attempt after attempt until it finishes: a revoked or broken stream resumes from its text
+so far, a 429/503 waits its Retry-After, a 4xx ends it in the error file. When a run of an
+item ends, what it cost settles the charge (`schedule.settle`, in Redis for every worker).
+Progress is checkpointed to Redis every `checkpoint_tokens`, so an item taken over from a
+dead worker resumes too. The result is recorded once (HSETNX) and the entry acknowledged in
+one script. A heartbeat keeps this worker's entries from being reclaimed while it lives; an
+entry another worker took over is dropped here.
 """
 
 from __future__ import annotations
@@ -36,12 +38,9 @@ from borrowd.models.batch.resume import (
     remaining_tokens,
     resume_body,
 )
-from borrowd.models.batch.schedule import JobRef, dispatch_cost_tokens, next_job
+from borrowd.models.batch.schedule import JobRef, dispatch_cost_tokens, edf_order, settlement
 
 log = logging.getLogger(__name__)
-
-DEFAULT_OUTPUT_TOKENS = 1024
-"""Output tokens charged to the fair share for an item without max_tokens."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +64,7 @@ class _Item:
     custom_id: str
     task: asyncio.Task | None = None
     drop_reason: str = ""
+    charged_tokens: float = 0.0
 
 
 @dataclass
@@ -235,14 +235,20 @@ class Worker:
                          and j.tenant in self.config.tenants
                          and self._drained_until.get(j.job_id, 0.0) <= now_s]
             while open_jobs:
-                fair = await self.store.fair_state()
-                ref = next_job(fair, [(j.tenant, JobRef(j.job_id, j.expires_s, j.created_s))
-                                      for j in open_jobs])
-                assert ref is not None
+                weights = {j.tenant: self.config.tenants[j.tenant].weight for j in open_jobs}
+                picked = await self.store.dispatch(weights)
+                if picked is None:
+                    return None
+                tenant, charged = picked
+                ref = edf_order([JobRef(j.job_id, j.expires_s, j.created_s)
+                                 for j in open_jobs if j.tenant == tenant])[0]
                 job = self.jobs[ref.job_id]
                 taken = await self._take(job, now_s)
                 if taken is not None:
+                    taken.charged_tokens = charged
                     return taken
+                # Nothing there after all: the charge goes back (nothing ran).
+                await self.store.settle(tenant, settlement(charged, 0, weights[tenant], False))
                 self._drained_until[job.job_id] = now_s + max(0.5, self.cfg.poll_s)
                 open_jobs = [j for j in open_jobs if j.job_id != job.job_id]
             return None
@@ -269,18 +275,38 @@ class Worker:
             await self.store.ack(job.job_id, item.entry_id)
             return
         body, line = spec["body"], int(spec["line"])
-        tenant = self.config.tenants[job.tenant]
-        max_out = remaining_tokens(body, 0) or DEFAULT_OUTPUT_TOKENS
-        await self.store.charge(job.tenant, dispatch_cost_tokens(
-            prompt_estimate(job.endpoint, body), max_out) / tenant.weight)
+        weight = self.config.tenants[job.tenant].weight
+        prompt = prompt_estimate(job.endpoint, body)
         progress = _Progress.from_json(await self.store.progress(job.job_id, item.custom_id))
-        key = tenant.keys[0]
+        before, first_segment = progress.tokens, len(progress.segments)
+        finished = False
+        try:
+            finished = await self._attempts(item, body, line, progress)
+        finally:
+            # What this run cost (the prompt as the engine counted it, the output it
+            # generated) settles its dispatch's charge (`schedule.settle`); only an item
+            # run whole from its start tells the tenant's expected cost.
+            reported = next((s.prompt_tokens for s in progress.segments[first_segment:]
+                             if s.prompt_tokens), prompt)
+            actual = dispatch_cost_tokens(reported, progress.tokens - before)
+            settled = settlement(item.charged_tokens, actual, weight, finished and before == 0)
+            try:
+                await self.store.settle(job.tenant, settled)
+            except redis.RedisError as exc:  # the estimate stands as the charge
+                log.warning("could not settle the fair share of %s: %r", item.custom_id, exc)
+
+    async def _attempts(self, item: _Item, body: dict[str, Any], line: int,
+                        progress: _Progress) -> bool:
+        """Run an item attempt after attempt until it has its result; True when that is
+        an output (a response), False for an error."""
+        job = item.job
+        key = self.config.tenants[job.tenant].keys[0]
         assert self._session is not None
         while True:
             left = remaining_tokens(body, progress.tokens)
             if progress.segments and left is not None and left <= 0:
                 await self._finish_output(item, line, body, progress, "")
-                return
+                return True
             request = resume_body(job.endpoint, body, progress.text, progress.tokens)
             resumed = progress.tokens if progress.text else 0
             tracker = _Tracker(self, item, progress)
@@ -298,7 +324,7 @@ class Worker:
                 assert result.segment is not None
                 progress.segments.append(result.segment)
                 await self._finish_output(item, line, body, progress, result.request_id)
-                return
+                return True
             elif result.kind == "cut":
                 assert result.segment is not None
                 if result.segment.completion_tokens or result.segment.text:
@@ -308,13 +334,13 @@ class Worker:
                 await self.store.save_progress(job.job_id, item.custom_id, progress.to_json())
             elif result.kind == "http_error":
                 await self._finish_error(item, line, progress, result)
-                return
+                return False
             else:
                 progress.failures += 1
                 await self.store.save_progress(job.job_id, item.custom_id, progress.to_json())
                 if progress.failures >= self.cfg.max_failures:
                     await self._finish_error(item, line, progress, result)
-                    return
+                    return False
                 await asyncio.sleep(min(5.0, 0.1 * 2 ** progress.failures))
 
     async def _finish_output(self, item: _Item, line: int, body: dict[str, Any],

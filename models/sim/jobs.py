@@ -2,14 +2,15 @@
 
 `JobsSource` stands where `workload.BatchSource` (the endless backlog) stands: the run asks
 it for the next item (`peek_cost`, `next_job`) and gives cut items back (`push_front`).
-Which item comes next is `models.batch.schedule.next_job` over the jobs with items
-waiting (start-time fair queuing between tenants, earliest deadline first within one),
-charged with `schedule.charge` at each item's first dispatch, as `borrowd batch worker`
-charges the shared tags in Redis. A cut item goes to the head of the queue and resumes as
-`models.batch.resume.continuation_sizes` says (the prompt plus the output so far prefilled
-again, the output limit reduced), as a worker's slot resumes it. Once a second the source
-samples each job's progress (projected lateness, `models.batch.figures`) and each tenant's
-processed tokens (fair-share error while tenants contend).
+Which item comes next is the workers' rule (`models.batch.schedule`): `dispatch` picks the
+tenant with items waiting and the smallest start tag and charges it its expected cost, the
+tenant's earliest-deadline job gives the item, and the item's cost settles the charge when
+it completes (`settle`), as `borrowd batch worker` does on the shared state in Redis. A cut
+item goes to the head of the queue and resumes as `models.batch.resume.continuation_sizes`
+says (the prompt plus the output so far prefilled again, the output limit reduced), as a
+worker's slot resumes it. Once a second the source samples each job's progress (projected
+lateness, `models.batch.figures`) and each tenant's processed tokens (fair-share error
+while tenants contend).
 """
 
 from __future__ import annotations
@@ -26,7 +27,16 @@ from borrowd.models.batch.figures import (
     project_lateness,
 )
 from borrowd.models.batch.resume import continuation_sizes
-from borrowd.models.batch.schedule import FairState, JobRef, charge, dispatch_cost_tokens, next_job
+from borrowd.models.batch.schedule import (
+    FairState,
+    JobRef,
+    dispatch,
+    dispatch_cost_tokens,
+    edf_order,
+    pick_tenant,
+    settle,
+    settlement,
+)
 from borrowd.models.errors import InputError
 from borrowd.models.sim.jobs_figures import JobFigures, JobsReport, jobs_report
 from borrowd.models.sim.jobs_spec import JobSpec, JobsSpec
@@ -37,14 +47,16 @@ from borrowd.models.sim.workload import BatchJob
 
 
 class JobItem(BatchJob):
-    """One item of a job (a `BatchJob` to the run loop) and the job it belongs to."""
+    """One item of a job (a `BatchJob` to the run loop): the job it belongs to and what its
+    dispatch was charged."""
 
-    __slots__ = ("job_index",)
+    __slots__ = ("charged_tokens", "job_index")
 
     def __init__(self, item_id: int, job_index: int, prompt_tokens: int,
                  output_tokens: int) -> None:
         super().__init__(item_id, prompt_tokens, output_tokens)
         self.job_index = job_index
+        self.charged_tokens = 0.0
 
 
 @dataclass
@@ -114,38 +126,48 @@ class JobsSource:
                 count += len(job.items)
         return count
 
-    def _choice(self) -> tuple[JobItem, bool]:
-        """The next item and whether it is a fresh dispatch (not a resumed one)."""
+    def _backlogged(self) -> dict[str, float]:
+        """Tenants with items waiting, and their weights."""
+        return {job.spec.tenant: self.weights[job.spec.tenant]
+                for job in self.jobs if job.waiting}
+
+    def _first_item(self, tenant: str) -> JobItem:
+        """The next item of `tenant`: from its earliest-deadline job with items waiting."""
+        refs = [JobRef(job.spec.job_id, job.spec.deadline_s, job.spec.arrival_s)
+                for job in self.jobs if job.waiting and job.spec.tenant == tenant]
+        return self._by_id[edf_order(refs)[0].job_id].waiting[0]
+
+    def _peek(self) -> JobItem:
+        """The item `next_job` would take (without charging anything)."""
         if self.front:
-            return self.front[0], False
-        refs = [(job.spec.tenant, JobRef(job.spec.job_id, job.spec.deadline_s,
-                                         job.spec.arrival_s))
-                for job in self.jobs if job.waiting]
-        ref = next_job(self.fair, refs)
-        if ref is None:
+            return self.front[0]
+        tenant = pick_tenant(self.fair, self._backlogged())
+        if tenant is None:
             raise InputError("the batch client asked for a job item while none was waiting")
-        return self._by_id[ref.job_id].waiting[0], True
+        return self._first_item(tenant)
 
     def peek_cost(self) -> tuple[int, int]:
         """(prompt, max output) tokens of the request `next_job()` would send."""
-        item, _ = self._choice()
+        item = self._peek()
         return continuation_sizes(item.prompt_tokens, item.output_tokens, item.generated_tokens)
 
     def next_job(self) -> JobItem:
-        """Take the next item: a cut one first, else by fair share and deadline (charged)."""
-        item, fresh = self._choice()
-        job = self.jobs[item.job_index]
-        if fresh:
-            job.waiting.popleft()
-            tenant = job.spec.tenant
-            self.fair = charge(self.fair, tenant,
-                               dispatch_cost_tokens(item.prompt_tokens, item.output_tokens),
-                               self.weights[tenant])
-        else:
-            self.front.popleft()
+        """Take the next item: a cut one first, else by fair share (the tenant charged its
+        expected cost, `schedule.dispatch`) and deadline."""
+        if self.front:
+            item = self.front.popleft()
+            job = self.jobs[item.job_index]
             if item.generated_tokens:
                 job.resumes += 1
                 job.reprefill_tokens += item.generated_tokens
+            return item
+        picked = dispatch(self.fair, self._backlogged())
+        if picked is None:
+            raise InputError("the batch client asked for a job item while none was waiting")
+        self.fair = picked.state
+        item = self._first_item(picked.tenant)
+        self.jobs[item.job_index].waiting.popleft()
+        item.charged_tokens = picked.charged_tokens
         return item
 
     def push_front(self, item: BatchJob) -> None:
@@ -166,6 +188,10 @@ class JobsSource:
         if item.remaining_output_tokens > 0:
             job.revocations += 1
             return
+        tenant = job.spec.tenant
+        self.fair = settle(self.fair, tenant, settlement(
+            item.charged_tokens, dispatch_cost_tokens(item.prompt_tokens, item.output_tokens),
+            self.weights[tenant], finished=True))
         job.completed += 1
         if now_s <= job.spec.deadline_s:
             job.completed_on_time += 1

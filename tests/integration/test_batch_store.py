@@ -7,7 +7,7 @@ import asyncio
 import pytest
 from borrowd.adapters.batch.state import BatchStore
 from borrowd.adapters.redis_conn import connect_async
-from borrowd.models.batch.schedule import FairState, charge
+from borrowd.models.batch.schedule import FairState, dispatch, settle, settlement
 
 pytestmark = pytest.mark.integration
 
@@ -20,16 +20,28 @@ async def store(redis_url: str):
     await client.aclose()
 
 
-async def test_charge_script_matches_the_pure_model(store: BatchStore) -> None:
-    """The atomic Lua charge computes what `schedule.charge` computes."""
+async def test_dispatch_and_settle_scripts_match_the_pure_model(store: BatchStore) -> None:
+    """Dispatches and settlements through the Lua scripts pick the tenants and leave the
+    tags, virtual time and expected costs that `schedule.dispatch` and `schedule.settle`
+    give."""
     state = FairState({})
-    for tenant, cost, weight in [("a", 300, 2.0), ("b", 100, 1.0), ("a", 50, 2.0),
-                                 ("c", 10, 1.0), ("b", 700, 1.0), ("a", 5, 2.0)]:
-        state = charge(state, tenant, cost, weight)
-        await store.charge(tenant, cost / weight)
+    steps = [({"a": 2.0, "b": 1.0}, 300, True), ({"a": 2.0, "b": 1.0}, 120, True),
+             ({"a": 2.0}, 90, False), ({"a": 2.0, "b": 1.0, "c": 0.5}, 700, True),
+             ({"b": 1.0, "c": 0.5}, 10, True), ({"a": 2.0, "c": 0.5}, 2000, True)]
+    for weights, actual, finished in steps:
+        picked = dispatch(state, weights)
+        stored_pick = await store.dispatch(weights)
+        assert picked is not None and stored_pick is not None
+        assert stored_pick[0] == picked.tenant
+        assert stored_pick[1] == pytest.approx(picked.charged_tokens)
+        settled = settlement(picked.charged_tokens, actual, weights[picked.tenant], finished)
+        state = settle(picked.state, picked.tenant, settled)
+        await store.settle(picked.tenant, settled)
     stored = await store.fair_state()
     assert stored.vtime == pytest.approx(state.vtime)
     assert stored.finish_tags == pytest.approx(dict(state.finish_tags))
+    assert stored.expected_costs == pytest.approx(dict(state.expected_costs))
+    assert await store.dispatch({}) is None
 
 
 async def test_result_is_recorded_once_and_not_after_the_job_ends(store: BatchStore) -> None:
