@@ -32,6 +32,10 @@ def cmd_check(args: argparse.Namespace) -> int:
     print(f"{args.path}: scenario {sc.name}, {sc.replicas} x {sc.profile}, SLO p95 TTFT "
           f"{sc.slo.ttft_p95_s:g} s, p95 ITL {sc.slo.itl_p95_s * 1000:g} ms, trace "
           f"{sc.interactive_trace} at load {sc.interactive_load:g}")
+    if sc.jobs is not None:
+        items = sum(job.items for job in sc.jobs.jobs)
+        weights = ", ".join(f"{name} {weight:g}" for name, weight in sc.jobs.tenants)
+        print(f"batch: {len(sc.jobs.jobs)} jobs, {items} items, tenant weights {weights}")
     return 0
 
 

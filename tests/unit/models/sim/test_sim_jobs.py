@@ -52,8 +52,11 @@ def write(tmp_path: Path, text: str) -> Path:
     return path
 
 
-def test_the_shipped_example_loads() -> None:
-    """The example scenario carries two tenants 2:1 and three jobs with deadlines."""
+def test_the_shipped_example_loads(capsys: pytest.CaptureFixture[str]) -> None:
+    """The example scenario carries two tenants 2:1 and three jobs with deadlines, and
+    `borrowd scenario check` says so."""
+    assert main(["scenario", "check", str(EXAMPLE)]) == 0
+    assert "batch: 3 jobs, 19500 items, tenant weights gold 2, silver 1" in capsys.readouterr().out
     sc = load_scenario_file(EXAMPLE)
     assert sc.jobs is not None
     assert sc.jobs.weights == {"gold": 2.0, "silver": 1.0}
