@@ -25,7 +25,12 @@ from typing import Any
 from borrowd.adapters.batch.config import BatchConfig
 from borrowd.adapters.batch.files import FileDir
 from borrowd.adapters.batch.state import COUNTERS, BatchStore
-from borrowd.models.batch.figures import carried_rate_per_s, per_hour, project_lateness
+from borrowd.models.batch.figures import (
+    carried_rate_per_s,
+    per_hour,
+    project_lateness,
+    verdict_grace_s,
+)
 from borrowd.models.batch.input import SUPPORTED_URLS, BatchInputError, parse_input
 from borrowd.models.batch.openai_format import (
     TERMINAL,
@@ -313,9 +318,14 @@ class BatchService:
     async def _measure(self, job: dict[str, str], finished: int, now_s: float) -> None:
         samples = self._job_samples.setdefault(job["id"], _Samples()).points
         samples.append((now_s, finished))
-        rate = carried_rate_per_s(list(samples), now_s, self.config.serve.rate_window_s)
+        window_s = self.config.serve.rate_window_s
+        rate = carried_rate_per_s(list(samples), now_s, window_s)
+        started_s = float(job.get("in_progress_at_s") or job.get("created_at") or now_s)
+        grace_s = verdict_grace_s(window_s,
+                                  float(job["expires_at"]) - float(job.get("created_at") or 0))
         late = project_lateness(now_s, float(job["expires_at"]),
-                                int(job.get("total", 0)) - finished, rate)
+                                int(job.get("total", 0)) - finished, rate, now_s - started_s,
+                                grace_s)
         # A stalled job (nothing carried) has no finite projection: only `at_risk` says so.
         fields: dict[str, Any] = {"at_risk": int(late.at_risk), "lateness_s": "",
                                   "projected_finish_at": ""}

@@ -2,7 +2,8 @@
 
 - Carried rate: items completed per second over a recent window of (time, completed)
   samples.
-- Projected lateness = now + remaining_items / carried_rate - deadline (> 0: late).
+- Projected lateness = now + remaining_items / carried_rate - deadline (> 0: late); a
+  verdict (at risk) once the job has run min(rate window, completion window / 4).
 - GPU time batch occupied = prompt_tokens / prefill_tokens_per_gpu_s
   + generated_tokens / decode_tokens_per_gpu_s, counting every token the engines processed
   for batch (resumed prefills and redone output included, so waste costs money);
@@ -42,17 +43,27 @@ class Lateness:
 
 
 def project_lateness(now_s: float, deadline_s: float, remaining_items: int,
-                     rate_per_s: float | None) -> Lateness:
+                     rate_per_s: float | None, running_s: float = math.inf,
+                     grace_s: float = 0.0) -> Lateness:
     """Projected finish and lateness at the carried rate; at risk when it lands after the
-    deadline (or nothing is carried while work remains)."""
+    deadline (or nothing is carried while work remains), once the job has run `grace_s`
+    (its first items are still running before that: little or nothing is carried yet), or
+    when the deadline has passed."""
     if remaining_items <= 0:
         return Lateness(now_s, min(0.0, now_s - deadline_s), False)
+    judged = running_s >= grace_s or now_s > deadline_s
     if rate_per_s is None:
         return Lateness(None, None, now_s > deadline_s)
     if rate_per_s <= 0:
-        return Lateness(None, math.inf, True)
+        return Lateness(None, math.inf, judged)
     finish_s = now_s + remaining_items / rate_per_s
-    return Lateness(finish_s, finish_s - deadline_s, finish_s > deadline_s)
+    return Lateness(finish_s, finish_s - deadline_s, judged and finish_s > deadline_s)
+
+
+def verdict_grace_s(rate_window_s: float, completion_window_s: float) -> float:
+    """How long a job runs before its projection can put it at risk: one rate window, or a
+    quarter of its completion window when that is shorter."""
+    return min(rate_window_s, completion_window_s / 4)
 
 
 @dataclass(frozen=True)

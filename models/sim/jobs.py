@@ -25,6 +25,7 @@ from borrowd.models.batch.figures import (
     cost_per_item,
     per_hour,
     project_lateness,
+    verdict_grace_s,
 )
 from borrowd.models.batch.resume import continuation_sizes
 from borrowd.models.batch.schedule import (
@@ -212,12 +213,10 @@ class JobsSource:
                 job.samples.pop(0)
             rate = carried_rate_per_s(job.samples, now_s, window_s)
             late = project_lateness(now_s, job.spec.deadline_s, len(job.items) - job.completed,
-                                    rate)
+                                    rate, now_s - job.spec.arrival_s,
+                                    verdict_grace_s(window_s, job.spec.completion_window_s))
             job.projected_lateness_s = late.lateness_s
-            # A verdict needs a whole window of samples: a job's first seconds carry little
-            # or nothing yet (its first items are still running).
-            if (late.at_risk and late.lateness_s is not None and job.late_projected_at_s is None
-                    and now_s - job.spec.arrival_s >= window_s):
+            if late.at_risk and late.lateness_s is not None and job.late_projected_at_s is None:
                 job.late_projected_at_s = now_s
                 job.first_late_projection_s = late.lateness_s
         work = self._work_now(inflight)

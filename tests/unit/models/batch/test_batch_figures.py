@@ -5,7 +5,14 @@ from __future__ import annotations
 import math
 
 import pytest
-from borrowd.models.batch.figures import CostModel, carried_rate_per_s, per_hour, project_lateness
+from borrowd.models.batch.figures import (
+    CostModel,
+    carried_rate_per_s,
+    fair_share_error,
+    per_hour,
+    project_lateness,
+    verdict_grace_s,
+)
 from borrowd.models.batch.openai_format import Status, can_move, completion_window_s
 from borrowd.models.errors import InputError
 
@@ -29,6 +36,35 @@ def test_projected_lateness(remaining: int, rate: float | None, lateness: float 
     got = project_lateness(0.0, 1000.0, remaining, rate)
     assert got.lateness_s == lateness
     assert got.at_risk is at_risk
+
+
+@pytest.mark.parametrize(
+    ("now_s", "running_s", "rate", "at_risk"),
+    [(10.0, 10.0, 0.0, False), (10.0, 10.0, 0.05, False), (60.0, 60.0, 0.0, True),
+     (60.0, 60.0, 0.05, True), (1001.0, 5.0, 0.0, True)],
+    ids=["stalled-in-grace", "late-in-grace", "stalled-after", "late-after",
+         "past-deadline"],
+)
+def test_no_verdict_before_the_grace(now_s: float, running_s: float, rate: float,
+                                     at_risk: bool) -> None:
+    """A job's first seconds carry little or nothing: no at-risk verdict until it has run
+    the grace (a rate window, or a quarter of its window), unless the deadline passed."""
+    grace_s = verdict_grace_s(60.0, 1000.0)
+    assert grace_s == 60.0 and verdict_grace_s(60.0, 4.0) == 1.0
+    got = project_lateness(now_s, 1000.0, 100, rate, running_s, grace_s)
+    assert got.at_risk is at_risk
+
+
+def test_fair_share_error_counts_only_contended_intervals() -> None:
+    """Measured / entitled - 1 per tenant, over intervals where two or more contended."""
+    weights = {"a": 2.0, "b": 1.0, "c": 1.0}
+    intervals = [({"a": 200.0, "b": 100.0}, {"a", "b"}),
+                 ({"a": 300.0, "b": 100.0, "c": 100.0}, {"a", "b", "c"}),
+                 ({"c": 999.0}, {"c"})]
+    errors = fair_share_error(intervals, weights)
+    assert errors["a"] == pytest.approx((200 + 300) / (200 + 250) - 1)
+    assert errors["b"] == pytest.approx((100 + 100) / (100 + 125) - 1)
+    assert errors["c"] == pytest.approx(100 / 125 - 1)
 
 
 def test_cost_per_item_counts_every_processed_token() -> None:
