@@ -33,6 +33,26 @@ from typing import Any
 from borrowd.models.batch.openai_format import completion_window_s
 from borrowd.models.errors import InputError
 
+EXAMPLE_LINES = (
+    "# Batch jobs (they replace the backlog as the batch demand): tenants and weights, one",
+    "# table of batch.jobs per job (leave prompt_tokens and output_tokens out to draw items",
+    "# from the batch length pool), and the settings of the job figures.",
+    "# [batch.tenants]",
+    "# gold = 2.0",
+    "# silver = 1.0",
+    "# [[batch.jobs]]",
+    '# id = "gold-summaries"',
+    '# tenant = "gold"',
+    "# items = 4000",
+    "# arrival_s = 0.0",
+    '# completion_window = "20m"',
+    "# prompt_tokens = 2048",
+    "# output_tokens = 256",
+    "# [batch.job_figures]",
+    f"# price_per_gpu_hour = {2.0!r}",
+    f"# rate_window_s = {60.0!r}",
+)
+"""The jobs section of `borrowd scenario example` (commented out: seed has no jobs)."""
 JOB_TABLES = ("tenants", "jobs", "job_figures")
 """The keys of `[batch]` that describe jobs (the rest are the backlog's)."""
 DEFAULT_PRICE_PER_GPU_HOUR = 2.0

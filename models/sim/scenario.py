@@ -26,6 +26,7 @@ from pathlib import Path
 from borrowd.models.errors import InputError
 from borrowd.models.priority import BATCH_PRIORITY
 from borrowd.models.signals import Slo
+from borrowd.models.sim.jobs_spec import EXAMPLE_LINES as JOBS_EXAMPLE_LINES
 from borrowd.models.sim.jobs_spec import JOB_TABLES, JobsSpec, parse_jobs
 from borrowd.models.sim.profiles import DEFAULT_PROFILE
 
@@ -477,6 +478,8 @@ def example_text(scenario: Scenario | None = None) -> str:
             lines.append(f"# {leaf} = [0, 1]")  # unset: every replica
         else:
             lines.append(f"{hidden}{leaf} = {_toml_value(value)}")
+    lines.append("")
+    lines.extend(JOBS_EXAMPLE_LINES)
     return "\n".join(lines) + "\n"
 
 

@@ -12,10 +12,10 @@ from borrowd.controller.cli import main
 from borrowd.models.budget import Budget, Mode, closed_budget
 from borrowd.models.errors import InputError
 from borrowd.models.sim.jobs import JobItem, JobsSource
-from borrowd.models.sim.jobs_spec import JobSpec, JobsSpec
+from borrowd.models.sim.jobs_spec import EXAMPLE_LINES, JobSpec, JobsSpec
 from borrowd.models.sim.policies import PolicySpec, parse_policy
 from borrowd.models.sim.run import load_inputs, run_scenario
-from borrowd.models.sim.scenario import Failure, Scenario, load_scenario_file
+from borrowd.models.sim.scenario import Failure, Scenario, example_text, load_scenario_file
 from borrowd.models.sim.simulation import Simulation
 from borrowd.models.sim.store import SimElection, SimStore
 
@@ -62,6 +62,17 @@ def test_the_shipped_example_loads(capsys: pytest.CaptureFixture[str]) -> None:
     assert sc.jobs.weights == {"gold": 2.0, "silver": 1.0}
     urgent = next(j for j in sc.jobs.jobs if j.job_id == "silver-urgent")
     assert (urgent.arrival_s, urgent.deadline_s, urgent.items) == (300.0, 600.0, 1500)
+
+
+def test_the_template_shows_jobs_commented_out(tmp_path: Path) -> None:
+    """`borrowd scenario example` ends with a jobs section; uncommented, it is valid."""
+    text = example_text()
+    assert load_scenario_file(write(tmp_path, text)).jobs is None
+    head, _, commented = text.partition(EXAMPLE_LINES[0])
+    assert all(line in commented for line in EXAMPLE_LINES[1:])
+    uncommented = "\n".join(line.removeprefix("# ") for line in EXAMPLE_LINES[3:])
+    sc = load_scenario_file(write(tmp_path, head + uncommented + "\n"))
+    assert sc.jobs is not None and sc.jobs.jobs[0].job_id == "gold-summaries"
 
 
 def test_jobs_parse_with_defaults(tmp_path: Path) -> None:
