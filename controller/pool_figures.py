@@ -1,6 +1,7 @@
 """Interactive figures of a pool asked of Prometheus now, for drills and rollouts.
 
-Over a trailing range: p95 and p99 TTFT and ITL from the proxy's histograms, success share,
+Over a trailing range: p95 and p99 TTFT and ITL from the proxy's histograms (of the
+replicas that may take batch, as the recording rules read them), success share,
 sample counts, highest KV usage, preemptions, oldest interactive wait, batch token rate
 (`figures_over`); the recorded short-window p95s with their evaluation time (`recorded_p95s`);
 and how many first tokens and token gaps arrive per second (`sample_rates`).
@@ -42,10 +43,12 @@ def figures_over(client: PromClient, pool: str, range_s: float) -> StepFigures:
     check_pool_name(pool)
     window = _range(range_s)
     inter = f'pool="{pool}",class="interactive"'
+    # Latency of the replicas batch may use (all unless the proxy restricts it), as the rules.
+    latency = f'{inter},batch_eligible!="false"'
 
     def quantile(q: float, metric: str) -> float:
         return instant(client, f"histogram_quantile({q}, sum by (le) "
-                               f"(increase({metric}_bucket{{{inter}}}[{window}])))")
+                               f"(increase({metric}_bucket{{{latency}}}[{window}])))")
 
     def total(expr: str) -> float:
         value = instant(client, expr)
@@ -61,9 +64,9 @@ def figures_over(client: PromClient, pool: str, range_s: float) -> StepFigures:
         itl_p95_s=quantile(0.95, "borrowd_proxy_itl_seconds"),
         itl_p99_s=quantile(0.99, "borrowd_proxy_itl_seconds"),
         success_frac=succeeded / (succeeded + failed) if succeeded + failed > 0 else 1.0,
-        ttft_samples=total(f"sum(increase(borrowd_proxy_ttft_seconds_count{{{inter}}}"
+        ttft_samples=total(f"sum(increase(borrowd_proxy_ttft_seconds_count{{{latency}}}"
                            f"[{window}]))"),
-        itl_samples=total(f"sum(increase(borrowd_proxy_itl_seconds_count{{{inter}}}"
+        itl_samples=total(f"sum(increase(borrowd_proxy_itl_seconds_count{{{latency}}}"
                           f"[{window}]))"),
         kv_usage_max_frac=instant(client, 'max(max_over_time({__name__=~"vllm[:_]'
                                           f'kv_cache_usage_perc",pool="{pool}"}}[{window}]))'),
@@ -101,9 +104,10 @@ def recorded_p95s(client: PromClient, pool: str, window: str) -> RecordedP95s:
 
 
 def sample_rates(client: PromClient, pool: str, range_s: float) -> tuple[float, float]:
-    """Interactive first tokens and token gaps per second over the last `range_s`."""
+    """Interactive first tokens and token gaps per second over the last `range_s`, on the
+    replicas that may take batch (the samples a step's p95 and p99 rest on)."""
     check_pool_name(pool)
-    inter = f'pool="{pool}",class="interactive"'
+    inter = f'pool="{pool}",class="interactive",batch_eligible!="false"'
     window = _range(range_s)
     rates = []
     for metric in ("borrowd_proxy_ttft_seconds_count", "borrowd_proxy_itl_seconds_count"):

@@ -347,6 +347,7 @@ class ProxyServer:
                 finally:
                     UpstreamPool.release(exc.upstream, batch=batch)
                 return
+            ex.batch_eligible_upstream = upstream.batch_eligible
             # Everything below that drops this exchange's connection must not touch the
             # connection once it went back to the pool for another request.
             abort = resp.aborter()

@@ -1,8 +1,11 @@
 """The proxy's Prometheus metrics, per pool and class: what the daemon reads as its sensor.
 
 Names and labels are a contract with the daemon (see the team brief); TTFT and ITL use
-vLLM's bucket boundaries. `InflightTracker` keeps the requests still waiting for a first
-token, so `borrowd_proxy_oldest_wait_seconds` is computed at scrape time.
+vLLM's bucket boundaries and say whether the upstream that served the request may take
+batch (`batch_eligible`: "true" on every upstream unless `batch_upstreams` restricts batch),
+so the daemon's rules read the interactive latency of the replicas batch can touch.
+`InflightTracker` keeps the requests still waiting for a first token, so
+`borrowd_proxy_oldest_wait_seconds` is computed at scrape time.
 """
 
 from __future__ import annotations
@@ -77,10 +80,12 @@ class ProxyMetrics:
         self.tracker = InflightTracker()
         ttft = Histogram("borrowd_proxy_ttft_seconds",
                          "Time from request arrival at the proxy to the first token.",
-                         ["pool", "class"], registry=registry, buckets=TTFT_BUCKETS_S)
+                         ["pool", "class", "batch_eligible"], registry=registry,
+                         buckets=TTFT_BUCKETS_S)
         itl = Histogram("borrowd_proxy_itl_seconds",
                         "Gap between consecutive streamed token chunks.",
-                        ["pool", "class"], registry=registry, buckets=ITL_BUCKETS_S)
+                        ["pool", "class", "batch_eligible"], registry=registry,
+                        buckets=ITL_BUCKETS_S)
         requests = Counter("borrowd_proxy_requests_total", "Requests by final outcome.",
                            ["pool", "class", "outcome"], registry=registry)
         tokens = Counter("borrowd_proxy_tokens_total", "Tokens by kind (prompt, output).",
@@ -95,8 +100,11 @@ class ProxyMetrics:
                          registry=registry)
         registry.register(_OldestWaitCollector(pool, self.tracker, clock))
 
-        self.ttft = {c: ttft.labels(pool, c) for c in CLASSES}
-        self.itl = {c: itl.labels(pool, c) for c in CLASSES}
+        # keyed by (class, whether the serving upstream may take batch)
+        self.ttft = {(c, e): ttft.labels(pool, c, _flag(e)) for c in CLASSES
+                     for e in (True, False)}
+        self.itl = {(c, e): itl.labels(pool, c, _flag(e)) for c in CLASSES
+                    for e in (True, False)}
         self.queue = {c: queue.labels(pool, c) for c in CLASSES}
         self.inflight = {c: inflight.labels(pool, c) for c in CLASSES}
         self.requests = {(c, o): requests.labels(pool, c, o) for c in CLASSES for o in OUTCOMES}
@@ -112,3 +120,8 @@ class ProxyMetrics:
             self.prompt_tokens[request_class].inc(prompt_tokens)
         if output_tokens:
             self.output_tokens[request_class].inc(output_tokens)
+
+
+def _flag(value: bool) -> str:
+    """A boolean as a label value."""
+    return "true" if value else "false"

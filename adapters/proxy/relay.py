@@ -31,6 +31,7 @@ class Exchange:
     tally: StreamTally | None = None
     resumable: bool = False
     charged_prompt_tokens: int = 0
+    batch_eligible_upstream: bool = True  # whether the upstream serving it may take batch
 
 
 class Relay:
@@ -53,8 +54,9 @@ class Relay:
         self._tally = tally
         self._out = out
         self._metrics = metrics
-        self._ttft = metrics.ttft[ex.request_class]
-        self._itl = metrics.itl[ex.request_class]
+        group = (ex.request_class, ex.batch_eligible_upstream)
+        self._ttft = metrics.ttft[group]
+        self._itl = metrics.itl[group]
         self._clock = clock
         self._strip_usage = strip_usage
         self._strip_chunk_usage = strip_chunk_usage

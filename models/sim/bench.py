@@ -56,8 +56,12 @@ def run_one(req: RunRequest) -> dict[str, object]:
 
 
 def meets_every_window(summary: dict[str, object]) -> bool:
-    """True when every SLO window of a run was met."""
-    return summary["interactive"]["slo_windows_met_frac"] >= 1.0  # type: ignore[index]
+    """True when every SLO window of a run was met, fleet-wide and, when batch is restricted
+    to some replicas, on those replicas (what the controller is held to)."""
+    groups = cast(list[dict[str, object]], summary.get("replica_groups") or [])
+    return summary["interactive"]["slo_windows_met_frac"] >= 1.0 and all(  # type: ignore[index]
+        cast(float, g["slo_windows_met_frac"]) >= 1.0 for g in groups if g["group"] == "batch"
+    )
 
 
 def run_bench(

@@ -472,14 +472,19 @@ class Simulation:
         rec = self.rec
         w = self.scenario.observe_window_s
         t0 = now_s - w
-        fig = rec.interactive_figures(t0, now_s)
+        # Latency of the replicas batch may use (all unless restricted), as the daemon's
+        # rules read the proxy's histograms; success and the rest stay fleet-wide, as there.
+        lat = self.group_recs[0] if self.group_recs is not None else rec
+        fig = lat.interactive_figures(t0, now_s)
+        success_rate = (fig["success_rate"] if lat is rec
+                        else rec.interactive_figures(t0, now_s)["success_rate"])
         lo, hi = max(0, int(t0)), max(0, int(now_s))
         span = max(1, hi - lo)
         engines = [e for e, up in zip(self.fleet.engines, self.fleet.up, strict=True) if up]
         oldest = max((now_s - r.submitted_s for r in self._waiting_first.values()), default=0.0)
-        a, b = rec.window_slice(rec.ttft_t, t0, now_s)
-        itl_over, ttft_over = rec.slo_burn(t0, now_s, self.scenario.slo)
-        itl_n, ttft_n, itl_batch = rec.slo_samples(t0, now_s, self.scenario.slo)
+        a, b = lat.window_slice(lat.ttft_t, t0, now_s)
+        itl_over, ttft_over = lat.slo_burn(t0, now_s, self.scenario.slo)
+        itl_n, ttft_n, itl_batch = lat.slo_samples(t0, now_s, self.scenario.slo)
         waited = sum(rec.interactive_wait_s_per_s[lo:hi])
         waited_batch = sum(rec.interactive_wait_batch_s_per_s[lo:hi])
         return Observation(
@@ -487,7 +492,7 @@ class Simulation:
             age_s=0.0,
             ttft_p95_s=fig["ttft_p95_s"],
             itl_p95_s=fig["itl_p95_s"],
-            success_rate=fig["success_rate"],
+            success_rate=success_rate,
             kv_usage_frac=max((e.kv_usage_frac() for e in engines), default=0.0),
             interactive_queue_depth=float(sum(e.num_waiting(INTERACTIVE) for e in engines)),
             interactive_oldest_wait_s=max(0.0, oldest),

@@ -2,7 +2,8 @@
 engines, the `borrowd proxy` process with `batch_upstreams` naming one of them, a real
 redis-server holding an open budget, and requests from the real openai SDK. Batch reaches
 only the eligible engine; interactive reaches all three (each engine's own vLLM metrics say
-what it served)."""
+what it served), and the proxy labels interactive latency by whether the serving upstream
+may take batch."""
 
 from __future__ import annotations
 
@@ -83,6 +84,15 @@ def pool(tmp_path: Path) -> Iterator[Pool]:
             server.kill()
 
 
+def proxy_first_tokens(proxy_url: str) -> dict[str, float]:
+    """Interactive first tokens the proxy measured, by the `batch_eligible` label."""
+    with urllib.request.urlopen(f"{proxy_url}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    found = re.findall(r'^borrowd_proxy_ttft_seconds_count\{batch_eligible="(\w+)",'
+                       r'class="interactive",pool="subset"\} (\S+)$', text, re.M)
+    return {flag: float(value) for flag, value in found}
+
+
 def served(engine: ServerProcess) -> tuple[float, float]:
     """(requests, prompt tokens) the engine served, from its own vLLM metrics."""
     with urllib.request.urlopen(f"http://127.0.0.1:{engine.port}/metrics", timeout=10) as resp:
@@ -100,10 +110,17 @@ def test_batch_reaches_only_the_eligible_upstream(pool: Pool) -> None:
     def ask(key: str, prompt: str) -> str:
         client = openai.OpenAI(base_url=pool.proxy_url + "/v1", api_key=key, max_retries=0,
                                timeout=60.0)
-        answer = client.chat.completions.create(
-            model="emulated-llama-3-8b", max_tokens=8,
-            messages=[{"role": "user", "content": prompt}])
-        return answer.choices[0].finish_reason or ""
+        messages = [{"role": "user", "content": prompt}]
+        if key == BATCH_KEY:
+            answer = client.chat.completions.create(
+                model="emulated-llama-3-8b", max_tokens=8, messages=messages)
+            return answer.choices[0].finish_reason or ""
+        # Interactive streams, so the proxy measures its first token and gaps.
+        stream = client.chat.completions.create(
+            model="emulated-llama-3-8b", max_tokens=8, messages=messages,
+            stream=True)
+        endings = [c.choices[0].finish_reason for c in stream if c.choices]
+        return next((e for e in endings if e), "")
 
     batch_prompt = " ".join(["word"] * BATCH_PROMPT_WORDS)
     jobs = [(BATCH_KEY, batch_prompt)] * 30 + [(INTERACTIVE_KEY, INTERACTIVE_PROMPT)] * 30
@@ -116,3 +133,6 @@ def test_batch_reaches_only_the_eligible_upstream(pool: Pool) -> None:
     for requests, tokens in counts[1:]:
         assert requests > 0, "interactive requests use every upstream"
         assert tokens < requests * 50, "no batch prompt on a non-eligible upstream"
+    first_tokens = proxy_first_tokens(pool.proxy_url)
+    assert first_tokens["false"] == sum(n for n, _ in counts[1:])
+    assert first_tokens["true"] == 30 - first_tokens["false"]

@@ -478,8 +478,9 @@ async def test_metrics_have_the_contract_names_and_vllm_buckets(stack: Stack) ->
     text = await stack.metrics()
     for klass in ("interactive", "batch"):
         labels = f'class="{klass}",pool="e2e"'
-        assert f"borrowd_proxy_ttft_seconds_count{{{labels}}} 1.0" in text
-        assert f"borrowd_proxy_itl_seconds_count{{{labels}}} 3.0" in text
+        served = f'batch_eligible="true",{labels}'  # the one upstream may take batch
+        assert f"borrowd_proxy_ttft_seconds_count{{{served}}} 1.0" in text
+        assert f"borrowd_proxy_itl_seconds_count{{{served}}} 3.0" in text
         assert f'borrowd_proxy_requests_total{{class="{klass}",outcome="success",pool="e2e"}} 1.0' \
             in text
         assert f'borrowd_proxy_tokens_total{{class="{klass}",kind="output",pool="e2e"}} 4.0' in text
@@ -488,9 +489,11 @@ async def test_metrics_have_the_contract_names_and_vllm_buckets(stack: Stack) ->
     ttft_les = [f'le="{b}"' for b in TTFT_BUCKETS_S]
     itl_les = [f'le="{b}"' for b in ITL_BUCKETS_S]
     ttft_lines = [line for line in text.splitlines()
-                  if line.startswith("borrowd_proxy_ttft_seconds_bucket{class=\"batch\"")]
+                  if line.startswith('borrowd_proxy_ttft_seconds_bucket{batch_eligible="true",'
+                                     'class="batch"')]
     itl_lines = [line for line in text.splitlines()
-                 if line.startswith("borrowd_proxy_itl_seconds_bucket{class=\"batch\"")]
+                 if line.startswith('borrowd_proxy_itl_seconds_bucket{batch_eligible="true",'
+                                    'class="batch"')]
     assert [le for le in ttft_les if any(le in line for line in ttft_lines)] == ttft_les
     assert [le for le in itl_les if any(le in line for line in itl_lines)] == itl_les
     assert 'borrowd_proxy_revocations_total{pool="e2e"} 0.0' in text

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from borrowd.models.errors import InputError
-from borrowd.models.sim.bench import format_group_table
+from borrowd.models.sim.bench import format_group_table, meets_every_window
 from borrowd.models.sim.cores import make_engine
 from borrowd.models.sim.engine import EngineConfig
 from borrowd.models.sim.fleet import Fleet
@@ -148,3 +148,32 @@ def test_unrestricted_runs_report_no_groups() -> None:
     summary = run_scenario(SEED, "none", duration_s=60.0, rate_scale=0.31).summary()
     assert "replica_groups" not in summary
     assert format_group_table([summary]) is None
+
+
+def test_the_policy_observes_the_batch_replicas_latency() -> None:
+    """With batch restricted, the observation's latency, burn and sample counts are those of
+    the batch-eligible replicas (as the daemon's rules read the proxy's batch_eligible
+    histograms); success stays fleet-wide."""
+    sim = _run("static:40000")
+    sim.run()
+    assert sim.group_recs is not None
+    now, window = DURATION_S - 1.0, sim.scenario.observe_window_s
+    obs = sim.observe(sim.scenario.pool, now)
+    group = sim.group_recs[0].interactive_figures(now - window, now)
+    fleet = sim.rec.interactive_figures(now - window, now)
+    assert obs.itl_p95_s == group["itl_p95_s"] != fleet["itl_p95_s"]
+    itl_n, ttft_n, _ = sim.group_recs[0].slo_samples(now - window, now, sim.scenario.slo)
+    assert (obs.itl_samples, obs.ttft_samples) == (itl_n, ttft_n)
+    assert obs.success_rate == fleet["success_rate"]
+
+
+def test_the_sweep_holds_static_caps_to_the_batch_replicas_windows() -> None:
+    """A run whose fleet-wide windows pass but whose batch replicas miss one does not count
+    as meeting every window."""
+    passing = {"interactive": {"slo_windows_met_frac": 1.0}}
+    assert meets_every_window(passing)
+    groups = [{"group": "batch", "slo_windows_met_frac": 0.9},
+              {"group": "other", "slo_windows_met_frac": 1.0}]
+    assert not meets_every_window({**passing, "replica_groups": groups})
+    groups[0]["slo_windows_met_frac"] = 1.0
+    assert meets_every_window({**passing, "replica_groups": groups})
