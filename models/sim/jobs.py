@@ -71,7 +71,7 @@ class _JobState:
     completed: int = 0
     completed_on_time: int = 0
     finish_s: float | None = None
-    kept_tokens: int = 0
+    completed_tokens: int = 0
     work_tokens: int = 0
     revocations: int = 0
     resumes: int = 0
@@ -196,7 +196,7 @@ class JobsSource:
         job.completed += 1
         if now_s <= job.spec.deadline_s:
             job.completed_on_time += 1
-        job.kept_tokens += item.prompt_tokens + item.output_tokens
+        job.completed_tokens += item.prompt_tokens + item.output_tokens
         if job.completed == len(job.items):
             job.finish_s = now_s
 
@@ -289,7 +289,7 @@ def _job_figures(job: _JobState, end_s: float, held: set[int], waiting: int,
         items_after_deadline=(len(job.items) - job.completed_on_time
                               if end_s > spec.deadline_s else 0),
         items_per_hour=per_hour(job.completed, max(0.0, elapsed_s)) if job.arrived else 0.0,
-        kept_tokens=job.kept_tokens,
+        completed_tokens=job.completed_tokens,
         processed_tokens=work_tokens,
         recomputed_tokens=sum(item.recomputed_tokens for item in job.items),
         reprefill_tokens=job.reprefill_tokens,

@@ -22,7 +22,13 @@ from borrowd.models.batch.figures import cost_per_item, fair_share_error
 
 @dataclass(frozen=True)
 class JobFigures:
-    """One job at the end of a run (times in seconds from the start of the run)."""
+    """One job at the end of a run (times in seconds from the start of the run).
+
+    `completed_tokens`: prompt + output tokens of the completed items; `processed_tokens`:
+    every token the engines computed for the job (recomputed ones included);
+    `revocations`: attempts cut before their item's end (revoked by the budget, stopped at
+    the budget's output cap, or lost with a replica); `resumes`: continuations of a cut item
+    from its output so far, which re-prefill `reprefill_tokens`."""
 
     job: str
     tenant: str
@@ -41,7 +47,7 @@ class JobFigures:
     projected_lateness_s: float | None
     items_after_deadline: int
     items_per_hour: float
-    kept_tokens: int
+    completed_tokens: int
     processed_tokens: int
     recomputed_tokens: int
     reprefill_tokens: int
@@ -64,7 +70,7 @@ class TenantFigures:
     weight: float
     items: int
     completed: int
-    kept_tokens: int
+    completed_tokens: int
     recomputed_tokens: int
     contended_tokens: int
     contended_share: float | None
@@ -110,7 +116,7 @@ def jobs_report(jobs: Sequence[JobFigures], weights: Mapping[str, float],
         gpu_s = sum(j.gpu_s for j in mine)
         tenants.append(TenantFigures(
             tenant=tenant, weight=weight, items=sum(j.items for j in mine), completed=completed,
-            kept_tokens=sum(j.kept_tokens for j in mine),
+            completed_tokens=sum(j.completed_tokens for j in mine),
             recomputed_tokens=sum(j.recomputed_tokens for j in mine),
             contended_tokens=int(contended[tenant]),
             contended_share=contended[tenant] / total if total else None,

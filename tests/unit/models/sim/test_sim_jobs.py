@@ -222,7 +222,7 @@ def test_every_item_ends_once_through_revocations_and_a_failure(tmp_path: Path) 
             assert places.count(True) == 1, item
         assert (figures["completed"] + figures["in_flight"] + figures["waiting"]
                 + figures["not_arrived"]) == figures["items"]
-        assert figures["kept_tokens"] == sum(i.prompt_tokens + i.output_tokens for i in done)
+        assert figures["completed_tokens"] == sum(i.prompt_tokens + i.output_tokens for i in done)
     assert sum(j["revocations"] for j in report["jobs"]) > 0
     assert sum(j["resumes"] for j in report["jobs"]) > 0
     assert sum(j["recomputed_tokens"] for j in report["jobs"]) > 0
