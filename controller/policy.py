@@ -219,6 +219,7 @@ class ControllerPolicy:
         decision = supervise(
             self.config.supervisor, self.sup_state, proposal.tick.obs, self.slo,
             proposal.u_tokens_per_s, dt_s, now_s, stopped=stopped, burns=burns,
+            ceiling=proposal.ceiling_tokens_per_s,
         )
         self.sup_state = decision.state
         if ceiling_tokens_per_s is not None and decision.u > ceiling_tokens_per_s:

@@ -1,12 +1,20 @@
 """The supervisor: modes, hard limits and hysteresis above any control law.
 
     open     the law sets the budget
-    ramp     reopening: budget = ramp start (a share of the budget before the cut), then
-             min(law, ramp), ramp += slew * dt, until the cap or the law binds
+    ramp     a cold start (slow start): budget = `ramp_min_tokens_per_s`, then
+                 ramp[k+1] = ramp[k] * 2 ** (dt / ramp_doubling_s) + slew * dt
+             until the cap, or until the law, which starts each tick from the ramp applied
+             last, asks for less than that (the first sign of congestion, as TCP leaves slow
+             start on the first loss), or until a signal leaves its quiet band (the reopen
+             thresholds: HyStart's rising delay); the law takes over then. A law at 0 holds the ramp
+             where it is instead: a handover never publishes an open budget of nothing.
+             After a cut the pool reopens straight into open at a share of the budget before
+             the cut (`ramp_start_frac`, at least the ramp's least start), as TCP resumes at
+             its slow-start threshold after a loss; the law climbs on from there
     closed   budget 0: entered at once when an SLO burns, KV usage passes its limit or the
              oldest interactive wait passes its limit (a multiple of the TTFT SLO); left only
              after every signal has stayed under its (lower) reopen threshold for `quiet_s`,
-             into ramp
+             into open after a cut, into ramp on a cold start
     stopped  budget 0 while the operator's stop switch is set; left into closed
     failsafe budget at the floor (0 by default) while any required signal is missing, NaN or
              stale; left into closed. A window without interactive traffic is not missing:
@@ -132,8 +140,17 @@ class SupervisorConfig:
         default=0.5,
         metadata={"unit": "1", "help": "ramp starts at this fraction of the pre-cut budget"},
     )
+    ramp_min_tokens_per_s: float = field(
+        default=2000.0,
+        metadata={"unit": "tokens/s", "help": "least budget a ramp starts from (a cold start)"},
+    )
+    ramp_doubling_s: float = field(
+        default=15.0,
+        metadata={"unit": "s", "help": "the ramp doubles this often (multiplicative rise)"},
+    )
     ramp_slew_tokens_per_s2: float = field(
-        default=5000.0, metadata={"unit": "tokens/s per s", "help": "ramp rise rate"}
+        default=500.0,
+        metadata={"unit": "tokens/s per s", "help": "ramp rise rate added to the doubling"},
     )
     ramp_cap_tokens_per_s: float = field(
         default=60000.0, metadata={"unit": "tokens/s", "help": "ramp ends (open) at this budget"}
@@ -169,10 +186,11 @@ class SupervisorConfig:
                 "supervisor needs revoke_factor >= 1 and ramp_start_frac in [0, 1], got "
                 f"{self.revoke_factor!r}, {self.ramp_start_frac!r}"
             )
-        for name in ("quiet_s", "floor_tokens_per_s", "cut_slow_burn"):
+        for name in ("quiet_s", "floor_tokens_per_s", "cut_slow_burn", "ramp_slew_tokens_per_s2"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"supervisor.{name} must be >= 0, got {getattr(self, name)!r}")
-        for name in ("ramp_slew_tokens_per_s2", "ramp_cap_tokens_per_s", "max_age_s"):
+        for name in ("ramp_min_tokens_per_s", "ramp_doubling_s", "ramp_cap_tokens_per_s",
+                     "max_age_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"supervisor.{name} must be > 0, got {getattr(self, name)!r}")
         known = set(Observation.__dataclass_fields__)
@@ -193,14 +211,16 @@ class ModeEvent:
 
 @dataclass(frozen=True)
 class SupervisorState:
-    """Mode, since when quiet (NaN: not quiet), the ramp ceiling (in closed: where the next
-    ramp starts), the last reason, and whether in-flight batch work is revoked."""
+    """Mode, since when quiet (NaN: not quiet), the ramp ceiling (in closed: where the pool
+    reopens), the last reason, whether in-flight batch work is revoked, and whether the
+    pool was cut (it reopens at the budget kept, open) rather than starting cold (ramp)."""
 
     mode: Mode = Mode.CLOSED
     quiet_since_s: float = math.nan
     ramp_tokens_per_s: float = 0.0
     reason: str = "start: waiting for a quiet interval"
     revoke: bool = True
+    after_cut: bool = False
 
 
 @dataclass(frozen=True)
@@ -348,10 +368,12 @@ def supervise(
     *,
     stopped: bool = False,
     burns: Burns = NO_BURNS,
+    ceiling: float = math.inf,
 ) -> SupervisorDecision:
     """One tick of supervision over the law's proposal `u_law` (see the module docstring);
-    `burns` are the (TTFT, ITL) burn readings when the policy keeps them."""
-    new_state, u = _next(config, state, obs, slo, u_law, dt_s, now_s, stopped, burns)
+    `burns` are the (TTFT, ITL) burn readings when the policy keeps them; `ceiling` bounds
+    the ramp as it bounds the law (a budget that follows use)."""
+    new_state, u = _next(config, state, obs, slo, u_law, dt_s, now_s, stopped, burns, ceiling)
     events: tuple[ModeEvent, ...] = ()
     if new_state.mode != state.mode:
         events = (ModeEvent(now_s, state.mode, new_state.mode, new_state.reason),)
@@ -375,6 +397,7 @@ def _next(
     now_s: float,
     stopped: bool,
     burns: Burns,
+    ceiling: float,
 ) -> tuple[SupervisorState, float]:
     closed_since_now = SupervisorState(Mode.CLOSED, math.nan, 0.0, "")
     if stopped:
@@ -396,7 +419,7 @@ def _next(
         if state.mode == Mode.CLOSED:
             revoke = revoke or state.revoke
             return replace(state, quiet_since_s=math.nan, revoke=revoke), 0.0
-        return SupervisorState(Mode.CLOSED, math.nan, restart, burn, revoke), 0.0
+        return SupervisorState(Mode.CLOSED, math.nan, restart, burn, revoke, after_cut=True), 0.0
     if state.mode == Mode.CLOSED:
         if not is_quiet(obs, slo, config, burns):
             return replace(state, quiet_since_s=math.nan), 0.0
@@ -405,17 +428,47 @@ def _next(
             return replace(state, quiet_since_s=quiet_since), 0.0
         # Reopen at the ramp's start, not at the law's proposal: the law moved from the 0
         # applied while closed, and handing over to it would restart the climb from nothing.
-        ramp = state.ramp_tokens_per_s
+        ramp = min(max(state.ramp_tokens_per_s, config.ramp_min_tokens_per_s),
+                   config.ramp_cap_tokens_per_s)
         reason = f"reopen: quiet for {now_s - quiet_since:.0f}s"
-        return SupervisorState(Mode.RAMP, math.nan, ramp, reason, False), max(0.0, ramp)
+        if state.after_cut:
+            return SupervisorState(Mode.OPEN, math.nan, 0.0, reason + ", at the budget kept",
+                                   False), ramp
+        return SupervisorState(Mode.RAMP, math.nan, ramp, reason, False), ramp
     if state.mode == Mode.RAMP:
-        ramp = state.ramp_tokens_per_s + config.ramp_slew_tokens_per_s2 * dt_s
-        if ramp >= config.ramp_cap_tokens_per_s:
-            return SupervisorState(Mode.OPEN, math.nan, 0.0, "ramp reached its cap", False), u_law
-        if u_law <= ramp:
-            return SupervisorState(Mode.OPEN, math.nan, 0.0, "law below the ramp", False), u_law
-        return replace(state, ramp_tokens_per_s=ramp), max(0.0, ramp)
+        if not is_quiet(obs, slo, config, burns):
+            # A signal left its quiet band: the first sign of congestion ends the blind
+            # doubling (as HyStart leaves slow start on a rising delay); the law goes on.
+            reason = "ramp ends: a signal above its reopen threshold"
+            return SupervisorState(Mode.OPEN, math.nan, 0.0, reason, False), _handover(
+                u_law, state.ramp_tokens_per_s)
+        return _ramp(config, state, u_law, dt_s, ceiling)
     return SupervisorState(Mode.OPEN, math.nan, 0.0, state.reason, False), max(0.0, u_law)
+
+
+def _handover(u_law: float, ramp_tokens_per_s: float) -> float:
+    """The budget when the ramp hands over: the law's, or the ramp's while the law has none."""
+    return u_law if u_law > 0 else ramp_tokens_per_s
+
+
+def _ramp(
+    config: SupervisorConfig, state: SupervisorState, u_law: float, dt_s: float, ceiling: float
+) -> tuple[SupervisorState, float]:
+    """One tick of the slow start (module docstring): `state.ramp_tokens_per_s` is the budget
+    applied last tick, which the law's proposal `u_law` started from."""
+    applied = state.ramp_tokens_per_s
+    if 0.0 < u_law < applied:
+        return SupervisorState(Mode.OPEN, math.nan, 0.0, "law below the ramp", False), u_law
+    if u_law <= 0.0:
+        return replace(state, reason="ramp held: the law proposes nothing"), applied
+    ramp = applied * 2.0 ** (dt_s / config.ramp_doubling_s) + config.ramp_slew_tokens_per_s2 * dt_s
+    if ramp >= ceiling:
+        reason = "ramp reached what batch uses"
+        return SupervisorState(Mode.OPEN, math.nan, 0.0, reason, False), min(u_law, ceiling)
+    if ramp >= config.ramp_cap_tokens_per_s:
+        return SupervisorState(Mode.OPEN, math.nan, 0.0, "ramp reached its cap", False), _handover(
+            u_law, applied)
+    return replace(state, ramp_tokens_per_s=ramp), ramp
 
 
 def _with_reason(state: SupervisorState, reason: str) -> SupervisorState:

@@ -48,10 +48,13 @@ class LawTick:
 
 @dataclass(frozen=True)
 class Proposal:
-    """A law's proposed budget and the tick as the innermost law saw it."""
+    """A law's proposed budget, the tick as the innermost law saw it, and the most any
+    budget may be this tick by the law's wrappers (use validation; inf: no such bound), which
+    the supervisor's ramp respects too."""
 
     u_tokens_per_s: float
     tick: LawTick
+    ceiling_tokens_per_s: float = math.inf
 
 
 class Law(Protocol):

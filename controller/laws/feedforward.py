@@ -37,6 +37,12 @@ class FeedForwardConfig:
     horizon_s: float = field(
         default=5.0, metadata={"unit": "s", "help": "how far ahead the rate is forecast", "gt": 0.0}
     )
+    capacity: bool = field(
+        default=True,
+        metadata={"unit": "bool",
+                  "help": "scale the budget with the KV capacity of the engines up (a replica "
+                          "lost or back)"},
+    )
 
 
 @dataclass(frozen=True)

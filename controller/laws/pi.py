@@ -6,6 +6,7 @@ setpoint, in units of the SLO):
     du_i = scale_i * (kp_i * (e_i[k] - e_i[k-1]) + ki_i * dt * e_i[k])
     u_i  = u_applied[k-1] + du_i + du_ff
     u[k] = clamp(min_i u_i, u_min, u_max)
+    u[k] >= min(u_applied[k-1], fall_floor_frac * max(u applied over fall_window_s))
 
 External-reset anti-windup: every loop starts from the input actually applied last tick
 (after the min-selector, the clamp and the supervisor), so a loop that is not selected, a
@@ -120,6 +121,17 @@ class PiConfig:
             "help": "the gains scale with the highest budget of this long (0: the last one)",
         },
     )
+    fall_floor_frac: float = field(
+        default=0.7,
+        metadata={
+            "unit": "1",
+            "help": "the law proposes at least this share of its highest budget of fall_window_s",
+        },
+    )
+    fall_window_s: float = field(
+        default=10.0,
+        metadata={"unit": "s", "help": "window of the fall floor (one decrease per window)"},
+    )
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -134,6 +146,11 @@ class PiConfig:
                 raise ConfigError(f"pi.{name} must be >= 0, got {getattr(self, name)!r}")
         if self.decrease_boost < 1.0:
             raise ConfigError(f"pi.decrease_boost must be >= 1, got {self.decrease_boost!r}")
+        if not 0 <= self.fall_floor_frac < 1 or self.fall_window_s < 0:
+            raise ConfigError(
+                "pi needs fall_floor_frac in [0, 1) and fall_window_s >= 0, got "
+                f"{self.fall_floor_frac!r}, {self.fall_window_s!r}"
+            )
         if (self.gain_reference_tokens_per_s < 0 or not 0 < self.min_gain_scale <= 1
                 or self.gain_window_s < 0):
             raise ConfigError(
@@ -222,10 +239,23 @@ def pi_step(
     )
 
 
+def fall_floor(recent_applied_tokens_per_s: list[float], floor_frac: float) -> float:
+    """The least budget the law proposes: `floor_frac` of its highest recent one.
+
+    The burn is a hockey stick measured over seconds: one jump past the setpoint makes the
+    P term (boosted on the way down) ask for a fall far beyond what the load needs, and an
+    unbounded fall leaves the budget near 0 until the window forgets the jump. As TCP halves
+    its window at most once per round trip (CUBIC: to 0.7), the law's own fall is bounded to
+    one multiplicative decrease per `fall_window_s`; a burning SLO is the supervisor's cut.
+    """
+    return floor_frac * max(recent_applied_tokens_per_s, default=0.0)
+
+
 class PiLaw:
     """The PI law as a `Law`: one velocity-form loop per output on its SLO burn when
     measured (against the burn setpoint), else on p95/SLO; gains from the plant by `method`
-    when it models the output, else the configured ones."""
+    when it models the output, else the configured ones. Its own fall is bounded to one
+    multiplicative decrease per window (`fall_floor`)."""
 
     def __init__(self, settings: LawSettings) -> None:
         self.config = settings.table("pi", PiConfig)
@@ -263,10 +293,13 @@ class PiLaw:
         """One PI step from the budget applied last tick (external-reset anti-windup)."""
         outs, loops = self.law_outputs(tick)
         now_s = tick.obs.now_s
-        self.recent_u.append((now_s, tick.u_applied_tokens_per_s))
-        while self.recent_u and self.recent_u[0][0] < now_s - self.config.gain_window_s:
+        cfg = self.config
+        u_applied = tick.u_applied_tokens_per_s
+        self.recent_u.append((now_s, u_applied))
+        while self.recent_u and self.recent_u[0][0] < now_s - max(cfg.gain_window_s,
+                                                                   cfg.fall_window_s):
             self.recent_u.popleft()
-        u_recent = max(u for _, u in self.recent_u)
+        u_recent = max(u for t, u in self.recent_u if t >= now_s - cfg.gain_window_s)
         result = pi_step(
             loops,
             self.pi_state,
@@ -283,7 +316,9 @@ class PiLaw:
             decrease_boost=self.config.decrease_boost,
         )
         self.pi_state = result.state
-        return Proposal(result.u, tick)
+        recent = [u for t, u in self.recent_u if t >= now_s - cfg.fall_window_s]
+        u = max(result.u, min(u_applied, fall_floor(recent, cfg.fall_floor_frac)))
+        return Proposal(u, tick)
 
     def applied(self, tick: LawTick, u_tokens_per_s: float) -> None:
         """Nothing to do: the next step starts from the applied budget it is given."""

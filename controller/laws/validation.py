@@ -72,7 +72,8 @@ class UseValidated:
                 self.floor_tokens_per_s, (1.0 + self.config.headroom) * peak
             )
         u = min(proposal.u_tokens_per_s, self.ceiling_tokens_per_s)
-        return replace(proposal, u_tokens_per_s=u)
+        return replace(proposal, u_tokens_per_s=u, ceiling_tokens_per_s=min(
+            proposal.ceiling_tokens_per_s, self.ceiling_tokens_per_s))
 
     def applied(self, tick: LawTick, u_tokens_per_s: float) -> None:
         """Pass the applied budget on."""

@@ -3,7 +3,9 @@
 - `FeedForward`: a Holt forecast of the interactive token rate d; the wrapped law gets the
   forecast, the feed-forward gain g and the budget change it implies,
   du_ff = -(g * peak(d_hat)[k] - g * peak(d_hat)[k-1]) (the PI adds it to its increment;
-  the MPC plans on v = u + g * d).
+  the MPC plans on v = u + g * d), plus, when the pool's engine capacity C (KV tokens of the
+  engines up) moves, u_applied * (C[k] / C[k-1] - 1): a replica lost takes its share of the
+  budget at once instead of after the SLO burn has shown it.
 - `GainScheduled`: an RLS estimate of each output's local gain K_local (on the signal the
   plant was identified on: the tracked SLO burn, or p95/SLO); the wrapped law
   gets ratio_i = clip(K_local_i / K_nominal_i, min_ratio, max_ratio) (1 until `min_samples`
@@ -43,6 +45,7 @@ class FeedForward:
         self.tick_s = tick_s
         self.forecast_state = ForecastState()
         self.prev_ff_tokens_per_s = math.nan
+        self.prev_capacity_tokens = math.nan
 
     def propose(self, tick: LawTick) -> Proposal:
         """Fold the interactive rate into the forecast, then ask the wrapped law."""
@@ -57,9 +60,20 @@ class FeedForward:
             du_ff = -(ff_now - self.prev_ff_tokens_per_s)
         if math.isfinite(ff_now):
             self.prev_ff_tokens_per_s = ff_now
+        du_ff += self._capacity_step(tick)
         return self.inner.propose(
             replace(tick, du_ff_tokens_per_s=du_ff, forecast=self.forecast_state, ff_gain=ff.gain)
         )
+
+    def _capacity_step(self, tick: LawTick) -> float:
+        """u_applied * (C[k] / C[k-1] - 1) when the engine capacity C moved (module docstring)."""
+        capacity = tick.obs.kv_capacity_tokens
+        if not self.config.capacity or not capacity > 0:
+            return 0.0
+        prev, self.prev_capacity_tokens = self.prev_capacity_tokens, capacity
+        if not prev > 0:
+            return 0.0
+        return tick.u_applied_tokens_per_s * (capacity / prev - 1.0)
 
     def applied(self, tick: LawTick, u_tokens_per_s: float) -> None:
         """Pass the applied budget on."""

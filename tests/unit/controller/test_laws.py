@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 import pytest
+from borrowd.controller.laws.base import LawSettings, LawTick, Proposal
 from borrowd.controller.laws.feedforward import (
     FeedForwardConfig,
     ForecastState,
@@ -19,9 +20,12 @@ from borrowd.controller.laws.mpc import (
     mpc_initial_state,
     mpc_step,
 )
-from borrowd.controller.laws.pi import PiConfig, PiGains, PiLoop, PiState, pi_gains, pi_step
+from borrowd.controller.laws.pi import PiConfig, PiGains, PiLaw, PiLoop, PiState, pi_gains, pi_step
 from borrowd.controller.laws.slack import SlackConfig, slack_step
+from borrowd.controller.laws.wrappers import FeedForward
+from borrowd.models.errors import ConfigError
 from borrowd.models.plant.fopdt import FopdtFit
+from borrowd.models.signals import Observation
 
 LOOPS = (
     PiLoop("ttft", 0.6, PiGains(kp=10_000.0, ki_per_s=2_000.0)),
@@ -179,3 +183,69 @@ def test_pi_gains_scale_with_the_budget_below_the_reference(u, reference, expect
     """Configured PI gains scale with the budget below the reference, floored, never up."""
     config = PiConfig(gain_reference_tokens_per_s=reference, min_gain_scale=0.1)
     assert config.operating_scale(u) == pytest.approx(expected)
+
+
+def burn_tick(u: float, itl_burn: float, now_s: float) -> LawTick:
+    """A tick at budget `u` whose ITL burn is `itl_burn` (no TTFT sample)."""
+    return LawTick(Observation(now_s=now_s, age_s=0.5), (math.nan, math.nan), u, 1.0,
+                   burns=(0.0, itl_burn))
+
+
+def test_pi_law_falls_at_most_one_multiplicative_step_per_window():
+    """A burn jump far over the setpoint takes the law down to fall_floor_frac of its
+    highest budget of fall_window_s and no further, until that peak leaves the window."""
+    config = PiConfig(setpoint_itl_burn=0.9, fall_floor_frac=0.7, fall_window_s=10.0)
+    law = PiLaw(LawSettings(1.0, 200_000.0, None, {"pi": config}))
+    u = 40_000.0
+    for t in range(3):
+        u = law.propose(burn_tick(u, 0.5, float(t))).u_tokens_per_s
+    peak = u
+    falls = []
+    for t in range(3, 13):
+        u = law.propose(burn_tick(u, 5.0, float(t))).u_tokens_per_s
+        falls.append(u)
+    assert min(falls) == pytest.approx(0.7 * peak)
+    assert law.propose(burn_tick(u, 5.0, 14.0)).u_tokens_per_s < 0.7 * peak
+
+
+@pytest.mark.parametrize("frac", [-0.1, 1.0], ids=["negative", "one"])
+def test_pi_fall_floor_out_of_range_is_refused(frac):
+    """fall_floor_frac must lie in [0, 1): the error names the key."""
+    with pytest.raises(ConfigError, match="fall_floor_frac"):
+        PiConfig(fall_floor_frac=frac)
+
+
+class Recorder:
+    """An inner `Law` that proposes u_applied + du_ff and remembers the ticks it saw."""
+
+    def __init__(self) -> None:
+        self.ticks: list[LawTick] = []
+
+    def propose(self, tick: LawTick) -> Proposal:
+        """Propose the applied budget plus the feed-forward step."""
+        self.ticks.append(tick)
+        return Proposal(tick.u_applied_tokens_per_s + tick.du_ff_tokens_per_s, tick)
+
+    def applied(self, tick: LawTick, u_tokens_per_s: float) -> None:
+        """Nothing to remember."""
+
+    def state(self) -> dict[str, float]:
+        """No state."""
+        return {}
+
+
+@pytest.mark.parametrize(
+    ("capacities", "expected"),
+    [((400e3, 400e3, 300e3), 45_000.0), ((300e3, 300e3, 400e3), 80_000.0),
+     ((400e3, math.nan, 400e3), 60_000.0)],
+    ids=["replica-lost", "replica-back", "unmeasured-holds"],
+)
+def test_capacity_feedforward_scales_the_budget_with_the_engines_up(capacities, expected):
+    """When the KV capacity of the engines up moves by a ratio, the budget moves by it at
+    once; an unmeasured capacity moves nothing."""
+    law = FeedForward(Recorder(), FeedForwardConfig(gain=0.0), 1.0)
+    u = 60_000.0
+    for t, capacity in enumerate(capacities):
+        obs = Observation(now_s=float(t), age_s=0.5, kv_capacity_tokens=capacity)
+        u = law.propose(LawTick(obs, (0.5, 0.5), u, 1.0)).u_tokens_per_s
+    assert u == pytest.approx(expected)

@@ -53,13 +53,20 @@ CLOSED = SupervisorState(mode=Mode.CLOSED, reason="cut")
         (OPEN, obs(), 8000.0, True, Mode.STOPPED, 0.0, "operator"),
         (SupervisorState(mode=Mode.STOPPED), obs(), 8000.0, False, Mode.CLOSED, 0.0, "resumed"),
         (SupervisorState(mode=Mode.FAILSAFE), obs(), 8000.0, False, Mode.CLOSED, 0.0, "back"),
-        (RAMP, obs(), 8000.0, False, Mode.RAMP, 3000.0, "ramp"),
-        (RAMP, obs(), 2500.0, False, Mode.OPEN, 2500.0, "law below"),
+        (RAMP, obs(), 8000.0, False, Mode.RAMP, 2000.0 * 2.0 ** (1 / 15) + 1000.0, "ramp"),
+        (RAMP, obs(), 2500.0, False, Mode.RAMP, 2000.0 * 2.0 ** (1 / 15) + 1000.0, "ramp"),
+        (RAMP, obs(), 1500.0, False, Mode.OPEN, 1500.0, "law below"),
+        (RAMP, obs(), 0.0, False, Mode.RAMP, 2000.0, "held"),
         (SupervisorState(mode=Mode.RAMP, ramp_tokens_per_s=4500.0), obs(), 9000.0, False,
          Mode.OPEN, 9000.0, "cap"),
         (CLOSED, obs(ttft_p95_s=0.9), 8000.0, False, Mode.CLOSED, 0.0, "cut"),
         (SupervisorState(mode=Mode.CLOSED, quiet_since_s=-10.0), obs(), 8000.0, False,
-         Mode.RAMP, 0.0, "quiet"),
+         Mode.RAMP, 2000.0, "quiet"),
+        (SupervisorState(mode=Mode.CLOSED, quiet_since_s=-10.0, ramp_tokens_per_s=3500.0),
+         obs(), 8000.0, False, Mode.RAMP, 3500.0, "quiet"),
+        (SupervisorState(mode=Mode.CLOSED, quiet_since_s=-10.0, ramp_tokens_per_s=3500.0,
+                         after_cut=True), obs(), 8000.0, False, Mode.OPEN, 3500.0, "budget kept"),
+        (RAMP, obs(ttft_p95_s=0.9), 8000.0, False, Mode.OPEN, 8000.0, "ramp ends"),
         (SupervisorState(mode=Mode.CLOSED, quiet_since_s=-5.0), obs(), 8000.0, False,
          Mode.CLOSED, 0.0, ""),
         (OPEN, obs(itl_p95_s=0.2, itl_over_slo_frac=0.04), 8000.0, False, Mode.OPEN, 8000.0,
@@ -83,11 +90,16 @@ CLOSED = SupervisorState(mode=Mode.CLOSED, reason="cut")
         "stop-switch",
         "resume-holds-closed",
         "failsafe-recovers-to-closed",
-        "ramp-slews-up",
-        "ramp-hands-to-law",
+        "ramp-doubles-and-slews-up",
+        "ramp-goes-on-while-the-law-rises",
+        "ramp-hands-to-a-law-that-asks-less",
+        "ramp-holds-for-a-law-at-zero",
         "ramp-reaches-cap",
         "closed-between-thresholds-stays-closed",
-        "closed-quiet-long-enough-ramps",
+        "closed-quiet-long-enough-ramps-from-the-least-start",
+        "closed-quiet-ramps-from-its-restart",
+        "closed-after-a-cut-reopens-open-at-the-budget-kept",
+        "ramp-ends-when-a-signal-leaves-its-quiet-band",
         "closed-quiet-too-short-holds",
         "measured-burn-under-cut-overrides-a-p95-jump",
         "open-itl-slo-burn-cuts",
@@ -194,3 +206,45 @@ def test_thresholds_follow_the_slo_and_revoke_only_when_it_helps(
     decision = supervise(CFG, OPEN, obs(**over), slo, 8000.0, 1.0, 0.0)
     assert decision.mode == mode
     assert decision.revoke == revoke
+
+
+def test_a_cold_start_publishes_a_budget_from_the_reopen_on_and_doubles():
+    """From the initial state, a law that creeps up from the applied budget (as the velocity
+    PI does) gets a budget above 0 on every tick from the reopen, doubling about every
+    `ramp_doubling_s`, until the cap hands over to it."""
+    cfg = SupervisorConfig(quiet_s=2.0, ramp_slew_tokens_per_s2=0.0, ramp_cap_tokens_per_s=64000.0,
+                           ramp_min_tokens_per_s=1000.0, ramp_doubling_s=5.0)
+    state, applied, budgets = SupervisorState(), 0.0, []
+    for t in range(40):
+        decision = supervise(cfg, state, obs(), SLO, applied + 10.0, 1.0, float(t))
+        state, applied = decision.state, decision.u
+        if decision.mode != Mode.CLOSED:
+            budgets.append((decision.mode, decision.u))
+    assert all(u > 0 for _, u in budgets)
+    ramp = [u for mode, u in budgets if mode == Mode.RAMP]
+    assert ramp[0] == 1000.0 and ramp[5] == pytest.approx(2000.0)
+    assert len(ramp) == 30  # 1000 * 2 ** (t / 5) reaches 64000 after 30 ticks
+    assert budgets[len(ramp)][0] == Mode.OPEN
+
+
+def test_a_cut_keeps_half_the_budget_for_an_open_reopen():
+    """A cut from open remembers ramp_start_frac of the law's budget and reopens open there,
+    with no ramp in between (one mode change out, one back)."""
+    cut = supervise(CFG, OPEN, obs(ttft_p95_s=1.2), SLO, 8000.0, 1.0, 0.0)
+    assert cut.mode == Mode.CLOSED and cut.state.after_cut
+    state, modes = cut.state, []
+    for t in range(1, 13):
+        decision = supervise(CFG, state, obs(), SLO, 0.0, 1.0, float(t))
+        state = decision.state
+        modes.append(decision.mode)
+        if decision.mode != Mode.CLOSED:
+            break
+    assert modes == [Mode.CLOSED] * 10 + [Mode.OPEN]
+    assert decision.u == pytest.approx(4000.0)
+
+
+def test_the_ramp_stops_where_batch_stops_using_its_budget():
+    """A ramp whose next step passes the validated ceiling hands over to the law there."""
+    decision = supervise(CFG, RAMP, obs(), SLO, 2400.0, 1.0, 0.0, ceiling=2500.0)
+    assert decision.mode == Mode.OPEN and decision.u == pytest.approx(2400.0)
+    assert "what batch uses" in decision.reason
