@@ -270,12 +270,14 @@ class Worker:
 
     async def _run_item(self, item: _Item) -> None:
         job = item.job
+        weight = self.config.tenants[job.tenant].weight
         spec = await self.store.body(job.job_id, item.custom_id)
         if spec is None or await self.store.has_result(job.job_id, item.custom_id):
             await self.store.ack(job.job_id, item.entry_id)
+            # Nothing runs: the dispatch's charge goes back.
+            await self.store.settle(job.tenant, settlement(item.charged_tokens, 0, weight, False))
             return
         body, line = spec["body"], int(spec["line"])
-        weight = self.config.tenants[job.tenant].weight
         prompt = prompt_estimate(job.endpoint, body)
         progress = _Progress.from_json(await self.store.progress(job.job_id, item.custom_id))
         before, first_segment = progress.tokens, len(progress.segments)
