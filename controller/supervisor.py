@@ -1,6 +1,11 @@
 """The supervisor: modes, hard limits and hysteresis above any control law.
 
-    open     the law sets the budget
+    open     the law sets the budget; a burn that is confident but not severe (KV, the
+             oldest wait and the success rate under their limits, no burn's lower bound
+             `revoke_factor` past its cut) first backs off: the budget falls at once to
+             `ramp_start_frac` of the law's, and further burn readings are left to act on for
+             one fast burn window (TCP's one multiplicative decrease per round trip); a burn
+             right after that window closes. Back-offs change no mode
     ramp     a cold start (slow start): budget = `ramp_min_tokens_per_s`, then
                  ramp[k+1] = ramp[k] * 2 ** (dt / ramp_doubling_s) + slew * dt
              until the cap, or until the law, which starts each tick from the ramp applied
@@ -129,6 +134,12 @@ class SupervisorConfig:
     quiet_s: float = field(
         default=5.0, metadata={"unit": "s", "help": "quiet this long before reopening"}
     )
+    backoff: bool = field(
+        default=True,
+        metadata={"unit": "bool",
+                  "help": "a burn that is not severe first halves the budget (ramp_start_frac) "
+                          "for one burn window, and closes only if it burns on"},
+    )
     revoke_factor: float = field(
         default=2.0,
         metadata={
@@ -212,8 +223,9 @@ class ModeEvent:
 @dataclass(frozen=True)
 class SupervisorState:
     """Mode, since when quiet (NaN: not quiet), the ramp ceiling (in closed: where the pool
-    reopens), the last reason, whether in-flight batch work is revoked, and whether the
-    pool was cut (it reopens at the budget kept, open) rather than starting cold (ramp)."""
+    reopens), the last reason, whether in-flight batch work is revoked, whether the pool was
+    cut (it reopens at the budget kept, open) rather than starting cold (ramp), and until
+    when the last back-off is left to act (NaN: none)."""
 
     mode: Mode = Mode.CLOSED
     quiet_since_s: float = math.nan
@@ -221,6 +233,7 @@ class SupervisorState:
     reason: str = "start: waiting for a quiet interval"
     revoke: bool = True
     after_cut: bool = False
+    backoff_until_s: float = math.nan
 
 
 @dataclass(frozen=True)
@@ -419,6 +432,14 @@ def _next(
         if state.mode == Mode.CLOSED:
             revoke = revoke or state.revoke
             return replace(state, quiet_since_s=math.nan, revoke=revoke), 0.0
+        if state.mode == Mode.OPEN and config.backoff and _soft(obs, slo, config, burns):
+            if now_s < state.backoff_until_s:
+                return state, max(0.0, u_law)
+            if not now_s - state.backoff_until_s < _window_s(burns):
+                until = now_s + _window_s(burns)
+                reason = "back-off: " + burn.removeprefix("cut: ")
+                return SupervisorState(Mode.OPEN, math.nan, 0.0, reason, False,
+                                       backoff_until_s=until), restart
         return SupervisorState(Mode.CLOSED, math.nan, restart, burn, revoke, after_cut=True), 0.0
     if state.mode == Mode.CLOSED:
         if not is_quiet(obs, slo, config, burns):
@@ -443,7 +464,26 @@ def _next(
             return SupervisorState(Mode.OPEN, math.nan, 0.0, reason, False), _handover(
                 u_law, state.ramp_tokens_per_s)
         return _ramp(config, state, u_law, dt_s, ceiling)
-    return SupervisorState(Mode.OPEN, math.nan, 0.0, state.reason, False), max(0.0, u_law)
+    return replace(state, quiet_since_s=math.nan, revoke=False), max(0.0, u_law)
+
+
+def _window_s(burns: Burns) -> float:
+    """The longest fast burn window read (how long a back-off takes to show)."""
+    return max((r.window_s for r in burns if r is not None), default=0.0)
+
+
+def _soft(obs: Observation, slo: Slo, config: SupervisorConfig, burns: Burns) -> bool:
+    """True when only a burn that is not severe cuts: KV, the oldest wait and the success
+    rate are under their limits, and no burn's lower bound is `revoke_factor` past its cut."""
+    cuts = (config.cut_ttft_burn, config.cut_itl_burn)
+    return (
+        obs.kv_usage_frac < config.cut_kv_frac
+        and obs.interactive_oldest_wait_s < config.cut_oldest_wait_ttft_slo * slo.ttft_p95_s
+        and not obs.success_rate < slo.success_rate
+        and all(r is not None for r in burns)
+        and all(r.lower < config.revoke_factor * cut
+                for r, cut in zip(burns, cuts, strict=True) if r is not None)
+    )
 
 
 def _handover(u_law: float, ramp_tokens_per_s: float) -> float:

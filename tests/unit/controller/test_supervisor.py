@@ -157,24 +157,26 @@ def reading(burn: float, lower: float, slow: float, batch_share: float = math.na
     [
         (reading(4.0, 0.5, 0.2), Mode.OPEN, False),
         (reading(1.6, 1.1, 0.3), Mode.OPEN, False),
-        (reading(1.6, 1.1, 0.6), Mode.CLOSED, False),
+        (reading(1.6, 1.1, 0.6), Mode.OPEN, False),
         (reading(5.0, 3.5, 0.1, batch_share=0.9), Mode.CLOSED, True),
         (reading(5.0, 3.5, 0.1, batch_share=0.2), Mode.CLOSED, False),
     ],
     ids=[
         "one-slow-step-among-few-gaps-holds",
         "fast-burn-with-slow-window-unspent-holds",
-        "fast-and-slow-windows-cut-without-revoking",
+        "fast-and-slow-windows-back-off-first-without-revoking",
         "severe-burn-caused-by-batch-revokes",
         "severe-burn-not-caused-by-batch-only-stops-admission",
     ],
 )
 def test_multiwindow_burn_cuts(itl: BurnReading, mode: Mode, revoke: bool) -> None:
-    """A burn cuts only with confidence in the fast window and spent slow window (or a severe
-    fast burn), and revokes in-flight batch only when batch caused a severe burn."""
+    """A burn acts only with confidence in the fast window and spent slow window (or a
+    severe fast burn): a mild one backs off first, a severe one closes and revokes in-flight
+    batch only when batch caused it."""
     burns = (reading(0.0, 0.0, 0.0), itl)
     decision = supervise(CFG, OPEN, obs(), SLO, 8000.0, 1.0, 0.0, burns=burns)
     assert decision.mode == mode
+    assert ("back-off" in decision.reason) == (itl.slow_burn == 0.6)
     assert decision.revoke == revoke
 
 
@@ -248,3 +250,29 @@ def test_the_ramp_stops_where_batch_stops_using_its_budget():
     decision = supervise(CFG, RAMP, obs(), SLO, 2400.0, 1.0, 0.0, ceiling=2500.0)
     assert decision.mode == Mode.OPEN and decision.u == pytest.approx(2400.0)
     assert "what batch uses" in decision.reason
+
+
+def test_a_mild_burn_backs_off_once_per_window_and_closes_if_it_burns_on():
+    """A confident, not severe ITL burn halves the budget without a mode change, holds the
+    law's budget for one burn window, and closes if it still burns right after."""
+    mild = (reading(0.0, 0.0, 0.0), reading(burn=2.0, lower=1.5, slow=0.8))
+    cfg = replace(CFG, ramp_start_frac=0.5)
+    first = supervise(cfg, OPEN, obs(), SLO, 8000.0, 1.0, 0.0, burns=mild)
+    assert first.mode == Mode.OPEN and first.u == pytest.approx(4000.0) and not first.events
+    assert "back-off" in first.reason and not first.revoke
+    held = supervise(cfg, first.state, obs(), SLO, 4100.0, 1.0, 5.0, burns=mild)
+    assert held.mode == Mode.OPEN and held.u == pytest.approx(4100.0)
+    after = supervise(cfg, held.state, obs(), SLO, 4100.0, 1.0, 12.0, burns=mild)
+    assert after.mode == Mode.CLOSED and "ITL burn" in after.reason
+
+
+@pytest.mark.parametrize(
+    ("observation", "burns"),
+    [(obs(), (reading(0.0, 0.0, 0.0), reading(burn=4.0, lower=3.5, slow=1.0))),
+     (obs(kv_usage_frac=0.99), (reading(0.0, 0.0, 0.0), reading(burn=2.0, lower=1.5, slow=0.8)))],
+    ids=["severe-burn", "kv-limit"],
+)
+def test_a_severe_burn_or_a_hard_limit_closes_at_once(observation, burns):
+    """Severe burns and hard limits never back off: they close."""
+    decision = supervise(CFG, OPEN, observation, SLO, 8000.0, 1.0, 0.0, burns=burns)
+    assert decision.mode == Mode.CLOSED and decision.u == 0.0
