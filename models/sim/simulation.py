@@ -482,7 +482,7 @@ class Simulation:
         span = max(1, hi - lo)
         engines = [e for e, up in zip(self.fleet.engines, self.fleet.up, strict=True) if up]
         oldest = max((now_s - r.submitted_s for r in self._waiting_first.values()), default=0.0)
-        a, b = lat.window_slice(lat.ttft_t, t0, now_s)
+        a, b = rec.window_slice(rec.ttft_t, t0, now_s)  # requests fleet-wide, as success
         itl_over, ttft_over = lat.slo_burn(t0, now_s, self.scenario.slo)
         itl_n, ttft_n, itl_batch = lat.slo_samples(t0, now_s, self.scenario.slo)
         waited = sum(rec.interactive_wait_s_per_s[lo:hi])
