@@ -2,7 +2,8 @@
 
     open     the law sets the budget; a burn that is confident but not severe (KV, the
              oldest wait and the success rate under their limits, no burn's lower bound
-             `revoke_factor` past its cut) first backs off: the budget falls at once to
+             `revoke_factor` past its cut, every slow window still within its SLO) first
+             backs off: the budget falls at once to
              `ramp_start_frac` of the law's, and further burn readings are left to act on for
              one fast burn window (TCP's one multiplicative decrease per round trip); a burn
              right after that window closes. Back-offs change no mode
@@ -474,14 +475,15 @@ def _window_s(burns: Burns) -> float:
 
 def _soft(obs: Observation, slo: Slo, config: SupervisorConfig, burns: Burns) -> bool:
     """True when only a burn that is not severe cuts: KV, the oldest wait and the success
-    rate are under their limits, and no burn's lower bound is `revoke_factor` past its cut."""
+    rate are under their limits, no burn's lower bound is `revoke_factor` past its cut, and
+    no slow (SLO) window is past the SLO yet."""
     cuts = (config.cut_ttft_burn, config.cut_itl_burn)
     return (
         obs.kv_usage_frac < config.cut_kv_frac
         and obs.interactive_oldest_wait_s < config.cut_oldest_wait_ttft_slo * slo.ttft_p95_s
         and not obs.success_rate < slo.success_rate
         and all(r is not None for r in burns)
-        and all(r.lower < config.revoke_factor * cut
+        and all(r.lower < config.revoke_factor * cut and r.slow_burn < 1.0
                 for r, cut in zip(burns, cuts, strict=True) if r is not None)
     )
 

@@ -316,9 +316,13 @@ class PiLaw:
             decrease_boost=self.config.decrease_boost,
         )
         self.pi_state = result.state
+        # The floor bounds the reaction to the feedback only; a measured disturbance (the
+        # feed-forward's step: an interactive burst, a replica lost) passes through whole.
         recent = [u for t, u in self.recent_u if t >= now_s - cfg.fall_window_s]
-        u = max(result.u, min(u_applied, fall_floor(recent, cfg.fall_floor_frac)))
-        return Proposal(u, tick)
+        du_ff = tick.du_ff_tokens_per_s
+        floor = min(u_applied, fall_floor(recent, cfg.fall_floor_frac))
+        u = max(result.u - du_ff, floor) + du_ff
+        return Proposal(min(max(u, 0.0), self.u_max_tokens_per_s), tick)
 
     def applied(self, tick: LawTick, u_tokens_per_s: float) -> None:
         """Nothing to do: the next step starts from the applied budget it is given."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -249,3 +250,13 @@ def test_capacity_feedforward_scales_the_budget_with_the_engines_up(capacities, 
         obs = Observation(now_s=float(t), age_s=0.5, kv_capacity_tokens=capacity)
         u = law.propose(LawTick(obs, (0.5, 0.5), u, 1.0)).u_tokens_per_s
     assert u == pytest.approx(expected)
+
+
+def test_pi_fall_floor_lets_a_feedforward_step_through():
+    """The fall floor bounds the feedback only: a feed-forward cut (an interactive burst
+    forecast) takes the budget below it at once."""
+    config = PiConfig(setpoint_itl_burn=0.9, fall_floor_frac=0.7, fall_window_s=10.0)
+    law = PiLaw(LawSettings(1.0, 200_000.0, None, {"pi": config}))
+    law.propose(burn_tick(40_000.0, 0.9, 0.0))
+    tick = replace(burn_tick(40_000.0, 0.9, 1.0), du_ff_tokens_per_s=-30_000.0)
+    assert law.propose(tick).u_tokens_per_s == pytest.approx(10_000.0)

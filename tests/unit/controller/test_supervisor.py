@@ -269,10 +269,12 @@ def test_a_mild_burn_backs_off_once_per_window_and_closes_if_it_burns_on():
 @pytest.mark.parametrize(
     ("observation", "burns"),
     [(obs(), (reading(0.0, 0.0, 0.0), reading(burn=4.0, lower=3.5, slow=1.0))),
-     (obs(kv_usage_frac=0.99), (reading(0.0, 0.0, 0.0), reading(burn=2.0, lower=1.5, slow=0.8)))],
-    ids=["severe-burn", "kv-limit"],
+     (obs(kv_usage_frac=0.99), (reading(0.0, 0.0, 0.0), reading(burn=2.0, lower=1.5, slow=0.8))),
+     (obs(), (reading(0.0, 0.0, 0.0), reading(burn=2.0, lower=1.5, slow=1.2)))],
+    ids=["severe-burn", "kv-limit", "slow-window-past-the-slo"],
 )
 def test_a_severe_burn_or_a_hard_limit_closes_at_once(observation, burns):
-    """Severe burns and hard limits never back off: they close."""
+    """Severe burns, hard limits and a burn whose SLO window is already past the SLO never
+    back off: they close."""
     decision = supervise(CFG, OPEN, observation, SLO, 8000.0, 1.0, 0.0, burns=burns)
     assert decision.mode == Mode.CLOSED and decision.u == 0.0
