@@ -7,6 +7,7 @@ re-exported here for the plugin.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -61,8 +62,12 @@ class PluginConfig:
     engines_in_pool: int = 1
     metrics_listen: tuple[str, int] | None = None
     batch_eligible: bool = True
+    slo_itl_s: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
+        for slo_s in self.slo_itl_s:
+            if not (math.isfinite(slo_s) and slo_s > 0):
+                raise ConfigError(f"BORROWD_SLO_ITL_S must list seconds > 0, got {slo_s!r}")
         if not self.pool:
             raise ConfigError("BORROWD_POOL must name the pool whose budget this engine enforces")
         if not self.poll_s > 0:
@@ -82,7 +87,10 @@ class PluginConfig:
         (how many engines share the pool's budget, default 1: with batch on some engines
         only, the eligible ones), `BORROWD_METRICS_LISTEN` (HOST:PORT of the plugin's own
         /metrics, default none), `BORROWD_BATCH_ELIGIBLE` (`true`, the default, or `false`:
-        this engine may not take batch and schedules none, whatever the budget)."""
+        this engine may not take batch and schedules none, whatever the budget),
+        `BORROWD_SLO_ITL_S` (the pool's p95 ITL SLOs in seconds, comma-separated: bounds of the
+        interference histogram, where the daemon reads the burn; default none, vLLM's bounds
+        only, which hold the default 50 ms)."""
         from borrowd.adapters.redis_conn import resolve_redis_url
 
         env = os.environ if env is None else env
@@ -97,7 +105,17 @@ class PluginConfig:
             engines_in_pool=_env_number(env, "BORROWD_POOL_ENGINES", int, 1),
             metrics_listen=_env_listen(env, "BORROWD_METRICS_LISTEN"),
             batch_eligible=_env_bool(env, "BORROWD_BATCH_ELIGIBLE", True),
+            slo_itl_s=_env_seconds(env, "BORROWD_SLO_ITL_S"),
         )
+
+
+def _env_seconds(env: Mapping[str, str], name: str) -> tuple[float, ...]:
+    text = env.get(name, "")
+    try:
+        return tuple(float(item) for item in text.split(",") if item.strip())
+    except ValueError:
+        raise ConfigError(
+            f"{name} must be seconds separated by commas (0.03,0.05), got {text!r}") from None
 
 
 def _env_bool(env: Mapping[str, str], name: str, default: bool) -> bool:

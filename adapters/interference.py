@@ -4,13 +4,15 @@ Per engine step an engine (the emulator, or vLLM under the scheduler plugin) cou
 simulator counts (`models/sim/simulation.py`), split by whether the step carried batch tokens:
 
     borrowd_engine_interactive_itl_seconds{batch_step}       interactive inter-token gaps,
-        each in the step that produced its token (vLLM's inter-token buckets)
+        each in the step that produced its token (vLLM's inter-token buckets, plus a bound
+        at each ITL SLO of the pool, so the daemon reads the gaps above its SLO exactly)
     borrowd_engine_interactive_wait_seconds_total{batch_step} interactive request-seconds
         spent queued or mid-prefill: waiting requests x step time
 
 `batch_step` is "true" or "false"; both children exist from the start, so a pool whose
 engines never ran batch reads a share of 0, not a missing series. The recording rules in
-`deploy/prometheus/borrowd.rules.yml` turn them into the shares the supervisor reads.
+`deploy/prometheus/borrowd.rules.yml` turn them into shares for dashboards; the daemon reads
+the gap share at the pool's own ITL SLO (`controller.prom_source`).
 `StepAttribution` derives the gaps and the wait for an engine that only says which requests
 got a token in a step (vLLM's scheduler, in the engine plugin).
 """
@@ -18,10 +20,10 @@ got a token in a step (vLLM's scheduler, in the engine plugin).
 from __future__ import annotations
 
 import math
-from collections.abc import Container, Iterable
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass
 
-from borrowd.adapters.proxy.buckets import ITL_BUCKETS_S
+from borrowd.adapters.proxy.buckets import ITL_BUCKETS_S, with_slo_bounds
 from borrowd.models.enforcement import MAX_STEP_S
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
@@ -31,15 +33,18 @@ STEP_LABEL = "batch_step"
 
 
 class InterferenceMetrics:
-    """The two interference series of one engine, children bound to (model_name, engine)."""
+    """The two interference series of one engine, children bound to (model_name, engine);
+    the gap histogram has a bound at each of `slo_itl_s` (the pool's ITL SLOs, seconds)
+    besides vLLM's."""
 
-    def __init__(self, registry: CollectorRegistry, model_name: str, engine: str) -> None:
+    def __init__(self, registry: CollectorRegistry, model_name: str, engine: str,
+                 slo_itl_s: Sequence[float] = ()) -> None:
         labels = ["model_name", "engine", STEP_LABEL]
         itl = Histogram(
             ITL_METRIC,
             "Interactive inter-token gaps, by whether the step that produced the token "
             "carried batch tokens.",
-            labels, registry=registry, buckets=ITL_BUCKETS_S,
+            labels, registry=registry, buckets=with_slo_bounds(ITL_BUCKETS_S, slo_itl_s),
         )
         wait = Counter(
             WAIT_METRIC,

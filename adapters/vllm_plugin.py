@@ -31,7 +31,10 @@ eligible ones when batch is restricted to some), `BORROWD_METRICS_LISTEN` (HOST:
 the engine core serves the interference series of `adapters.interference`; the port is
 offset by the engine's data-parallel rank; unset: not served), `BORROWD_BATCH_ELIGIBLE`
 (true; false on an engine outside the pool's batch set: it reads no budget and schedules no
-batch token, so its interactive requests are scheduled as if no batch were queued).
+batch token, so its interactive requests are scheduled as if no batch were queued),
+`BORROWD_SLO_ITL_S` (the pool's p95 ITL SLOs in seconds, comma-separated, when not the default
+50 ms: each is a bound of the interference histogram, where the daemon reads the gaps above
+the SLO).
 
 Each step it counts, by whether the step carried batch tokens, the interactive inter-token
 gaps it ended and the interactive queue wait it held (`adapters.interference`): vLLM's own
@@ -159,7 +162,8 @@ class BudgetEnforcement(_SchedulerBase):
         served = self.vllm_config.model_config.served_model_name
         model_name = str(served[0] if isinstance(served, list) and served else served)
         rank = self.vllm_config.parallel_config.data_parallel_rank
-        metrics = InterferenceMetrics(self.metrics_registry, model_name, str(rank))
+        metrics = InterferenceMetrics(self.metrics_registry, model_name, str(rank),
+                                      self.plugin_config.slo_itl_s)
         listen = self.plugin_config.metrics_listen
         if listen is not None:
             host, port = listen

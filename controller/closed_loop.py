@@ -127,7 +127,7 @@ def scenario_replicas(pool: PoolConfig, scenario: Scenario) -> PoolConfig:
 def make_policy(name: str, scenario: Scenario, plant_path: Path | None) -> ControllerPolicy:
     """The closed-loop policy `name` (a registered law) for `scenario` without a config file."""
     return build_pool_policy(default_sim_pool(name, scenario),
-                             default_plant(name, scenario, plant_path), burn_at_slo=True)
+                             default_plant(name, scenario, plant_path))
 
 
 def sim_loop_factory(pool: PoolConfig, make_controller: Callable[[], Controller]) -> LoopFactory:
@@ -197,10 +197,9 @@ class SimControllers:
             plant = default_plant(name, scenario, plant_path)
         else:
             plant = PlantModel.load(plant_path) if plant_path is not None else None
-        # The simulator measures the burn at the scenario's own SLOs (no recording rules).
-        build_pool_policy(pool, plant, burn_at_slo=True)  # a bad setting fails here
+        build_pool_policy(pool, plant)  # a bad setting fails here
         return PolicySpec(name, PRIORITY, batch=True, loop=sim_loop_factory(
-            pool, lambda: build_pool_policy(pool, plant, burn_at_slo=True)))
+            pool, lambda: build_pool_policy(pool, plant)))
 
 
 @dataclass(frozen=True)

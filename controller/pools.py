@@ -1,7 +1,12 @@
 """From a pool's config to the controller the daemon runs for it (no network): its plant
-file, the burn-rule check, the limits sized to the replicas that may take batch, and the
-state it exports. Shared by `borrowd run` and the simulator's CLI, so both run a pool's
-config the same way."""
+file, the limits sized to the replicas that may take batch, and the state it exports. Shared
+by `borrowd run` and the simulator's CLI, so both run a pool's config the same way.
+
+Both sources read the SLO burn at the pool's own SLOs (the simulator counts it exactly;
+`PrometheusSource` reads each histogram at the bucket bound equal to the SLO), so burn control
+stays as configured at any SLO. Where Prometheus holds no bucket at the pool's SLO (an old
+proxy or engine), the source leaves the share unread and counts `missing_bound`, and the law
+and the supervisor control that output on its p95 (`tracked_outputs`, `latency_checks`)."""
 
 from __future__ import annotations
 
@@ -9,28 +14,14 @@ import dataclasses
 import math
 from pathlib import Path
 
-import structlog
 from borrowd.controller.config import BorrowdConfig, PoolConfig
 from borrowd.controller.policy import ControllerConfig, ControllerPolicy, build_policy
 from borrowd.models.plant.model import PlantModel
-
-# The SLO-burn recording rules (deploy/prometheus/borrowd.rules.yml) count the share of
-# interactive samples above these bucket bounds.
-RULES_SLO_TTFT_S = 1.0
-RULES_SLO_ITL_S = 0.05
 
 
 def load_plant(pool: PoolConfig) -> PlantModel | None:
     """The pool's identified plant, or None when `plant_file` is empty."""
     return PlantModel.load(Path(pool.plant_file)) if pool.plant_file else None
-
-
-def burn_matches_rules(controller: ControllerConfig) -> bool:
-    """True when the pool's SLOs are the bounds the burn recording rules measure against."""
-    return (
-        math.isclose(controller.slo_ttft_p95_s, RULES_SLO_TTFT_S)
-        and math.isclose(controller.slo_itl_p95_s, RULES_SLO_ITL_S)
-    )
 
 
 def sized_to_eligible(controller: ControllerConfig, share: float) -> ControllerConfig:
@@ -58,31 +49,15 @@ def sized_to_eligible(controller: ControllerConfig, share: float) -> ControllerC
     )
 
 
-def pool_controller(pool: PoolConfig, *, burn_at_slo: bool = False) -> ControllerConfig:
+def pool_controller(pool: PoolConfig) -> ControllerConfig:
     """The controller settings the daemon runs for `pool`, its limits sized to the replicas
-    that may take batch (`sized_to_eligible`).
-
-    A pool whose SLOs differ from the burn rules' bucket bounds controls on its p95s: the
-    burn read from Prometheus would measure a different line than its SLO. A source that
-    measures the burn at the pool's own SLOs (`burn_at_slo`: the simulator) keeps it.
-    """
-    controller = pool.controller
-    if controller.control_on_burn and not burn_at_slo and not burn_matches_rules(controller):
-        structlog.get_logger("borrowd.daemon").warning(
-            "burn_off_for_slo", pool=pool.name, slo_ttft_p95_s=controller.slo_ttft_p95_s,
-            slo_itl_p95_s=controller.slo_itl_p95_s, rules_ttft_s=RULES_SLO_TTFT_S,
-            rules_itl_s=RULES_SLO_ITL_S,
-        )
-        controller = dataclasses.replace(controller, control_on_burn=False)
-    return sized_to_eligible(controller, pool.batch_share())
+    that may take batch (`sized_to_eligible`); burn control as configured, at any SLO."""
+    return sized_to_eligible(pool.controller, pool.batch_share())
 
 
-def build_pool_policy(
-    pool: PoolConfig, plant: PlantModel | None = None, *, burn_at_slo: bool = False
-) -> ControllerPolicy:
-    """The controller policy of one pool; `plant` (when given) stands in for its plant file;
-    `burn_at_slo` when the metrics source measures the burn at the pool's own SLOs."""
-    return build_policy(pool_controller(pool, burn_at_slo=burn_at_slo), pool.name,
+def build_pool_policy(pool: PoolConfig, plant: PlantModel | None = None) -> ControllerPolicy:
+    """The controller policy of one pool; `plant` (when given) stands in for its plant file."""
+    return build_policy(pool_controller(pool), pool.name,
                         plant if plant is not None else load_plant(pool))
 
 

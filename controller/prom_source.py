@@ -2,10 +2,16 @@
 
 The queries read the recording rules shipped in `deploy/prometheus/borrowd.rules.yml`
 (per-class p95 TTFT and ITL from the proxy's histograms, success ratio, token rates, vLLM KV
-usage, queue depth and preemptions, and the share of ITL gaps and first tokens above the
-default SLOs, 50 ms and 1 s, both vLLM bucket bounds; from the engines' interference series,
-the share of those ITL gaps and of interactive queue wait that fell in steps carrying batch
-tokens; the pool's KV capacity from vLLM's `cache_config_info` labels). Every query is tried
+usage, queue depth and preemptions; from the engines' interference series, the share of
+interactive queue wait that fell in steps carrying batch tokens; the pool's KV capacity from
+vLLM's `cache_config_info` labels). The SLO burn is read at the pool's own SLOs, from the raw
+histograms (`BoundQuery`): one query per histogram returns, as series told apart by a `part`
+label, the sample rate, the rate at or below the bucket bound `le` equal to the SLO, and how
+many series exist with and without that bound; hence the share of ITL gaps (first tokens)
+above the SLO with its sample count, and the share of the gaps above the ITL SLO that fell in
+steps carrying batch tokens. Where some series lack the bound (an old proxy or engine, a
+bucket not configured) the share is not read (NaN, counted as `missing_bound`): the pool then
+controls on its p95s, and a missing batch share is taken as batch's. Every query is tried
 once and bounded as a whole (connect, headers and body within its timeout, so a Prometheus
 that answers one byte at a time cannot hold a tick); queries are evaluated at Prometheus's
 own time, so the data's age is measured on Prometheus's clock, not the daemon's. A failed,
@@ -36,8 +42,9 @@ from urllib.parse import unquote, urlencode, urlsplit
 import numpy as np
 import requests
 from borrowd.models.errors import InputError
-from borrowd.models.signals import Observation
+from borrowd.models.signals import Observation, Slo
 from prometheus_api_client import PrometheusApiClientException
+from prometheus_client.utils import floatToGoString
 
 POOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 WINDOW = re.compile(r"^[1-9][0-9]*(ms|s|m|h)$")
@@ -48,6 +55,7 @@ HTTP = "http"  # Prometheus answered with an error status (bad query, overload)
 EMPTY = "empty"  # no series: a scrape target or a recording rule is missing
 NOT_A_NUMBER = "nan"  # the series exists but holds NaN or is unparsable
 IMPOSSIBLE = "impossible"  # a value no healthy fleet reports (negative latency, ratio > 1)
+MISSING_BOUND = "missing_bound"  # samples exist, but no bucket bound at the pool's SLO
 
 # Largest answer body read from Prometheus (a pool's instant queries answer a few kB).
 MAX_ANSWER_BYTES = 16 * 1024 * 1024
@@ -92,7 +100,8 @@ def check_window(window: str) -> str:
 
 
 def pool_queries(pool: str, window: str) -> tuple[PromQuery, ...]:
-    """The expressions behind each observed field of `pool`, reading the `window` rules."""
+    """The expressions behind each observed field of `pool` read from the `window` rules (the
+    SLO burn fields come from `bound_queries`)."""
     check_pool_name(pool)
     check_window(window)
     inter = f'{{pool="{pool}",class="interactive"}}'
@@ -119,32 +128,108 @@ def pool_queries(pool: str, window: str) -> tuple[PromQuery, ...]:
             "interactive_requests", f"pool_class:borrowd_proxy_requests:increase{window}{inter}"
         ),
         PromQuery(
-            "itl_over_slo_frac",
-            f"pool_class:borrowd_proxy_itl_seconds:over_slo_ratio_rate{window}{inter}",
-        ),
-        PromQuery(
-            "ttft_over_slo_frac",
-            f"pool_class:borrowd_proxy_ttft_seconds:over_slo_ratio_rate{window}{inter}",
-        ),
-        PromQuery(
-            "itl_samples", f"pool_class:borrowd_proxy_itl_seconds:count_increase{window}{inter}"
-        ),
-        PromQuery(
-            "ttft_samples", f"pool_class:borrowd_proxy_ttft_seconds:count_increase{window}{inter}"
-        ),
-        PromQuery(
-            "itl_over_slo_batch_frac",
-            f"pool:borrowd_engine_interactive_itl_seconds:over_slo_batch_share_rate{window}"
-            f"{only_pool}",
-            SHARE,
-        ),
-        PromQuery(
             "interactive_wait_batch_frac",
             f"pool:borrowd_engine_interactive_wait_seconds:batch_share_rate{window}{only_pool}",
             SHARE,
         ),
         PromQuery("kv_capacity_tokens", f"pool_engine:vllm_cache_config_info:max{only_pool}",
                   KV_CAPACITY),
+    )
+
+
+PROXY_TTFT = "borrowd_proxy_ttft_seconds"
+PROXY_ITL = "borrowd_proxy_itl_seconds"
+ENGINE_ITL = "borrowd_engine_interactive_itl_seconds"
+# The parts of a `BoundQuery` answer, told apart by the `part` label.
+COUNT = "count"  # samples per second
+AT_BOUND = "at_bound"  # samples per second at or below the bound
+SERIES = "series"  # how many histogram series have samples in the window
+SERIES_AT_BOUND = "series_at_bound"  # how many of them have a bucket at the bound
+BATCH_COUNT = "batch_count"  # as COUNT, in steps carrying batch tokens
+BATCH_AT_BOUND = "batch_at_bound"  # as AT_BOUND, in steps carrying batch tokens
+# A difference of rates this small relative to the rate is float rounding, not a sample.
+_ROUNDING = 1e-9
+
+
+@dataclass(frozen=True)
+class BoundQuery:
+    """One histogram read at a bound `bound_s` (the pool's SLO) by one instant query whose
+    series carry a `part` label (COUNT, AT_BOUND, SERIES, SERIES_AT_BOUND; the batch share
+    also BATCH_COUNT, BATCH_AT_BOUND). `field` gets the share above the bound, `samples_field`
+    (when set) the samples in the window; `batch` reads the share of the samples above the
+    bound that fell in steps carrying batch tokens instead."""
+
+    field: str
+    samples_field: str | None
+    metric: str
+    bound_s: float
+    expr: str
+    batch: bool = False
+
+
+def le_spellings(bound_s: float) -> tuple[str, ...]:
+    """The `le` label values that name `bound_s`: as prometheus_client writes it
+    (`floatToGoString`: 1.0, 0.05, 0.0075) and, for a whole number, without the `.0` (Go's
+    client: 1)."""
+    text = floatToGoString(bound_s)
+    short = text.removesuffix(".0")
+    return (text,) if short == text else (text, short)
+
+
+def le_matcher(bound_s: float) -> str:
+    """A PromQL label matcher selecting the bucket at `bound_s`, either spelling."""
+    regex = "|".join(re.escape(text) for text in le_spellings(bound_s))
+    return 'le=~"' + regex.replace("\\", "\\\\") + '"'
+
+
+def _parts(parts: Sequence[tuple[str, str]]) -> str:
+    """One expression whose series are those of each (name, expr), labelled part=name."""
+    return " or ".join(f'label_replace({expr}, "part", "{name}", "", "")' for name, expr in parts)
+
+
+def _histogram_parts(metric: str, selector: str, bound_s: float, window: str,
+                     extra: Sequence[tuple[str, str]] = ()) -> list[tuple[str, str]]:
+    at_bound = f"{selector},{le_matcher(bound_s)}"
+    count = f"rate({metric}_count{{{selector}}}[{window}])"
+    bucket = f"rate({metric}_bucket{{{at_bound}}}[{window}])"
+    return [(COUNT, f"sum by (pool) ({count})"), (AT_BOUND, f"sum by (pool) ({bucket})"),
+            (SERIES, f"count by (pool) ({count})"),
+            (SERIES_AT_BOUND, f"count by (pool) ({bucket})"), *extra]
+
+
+def over_slo_expr(metric: str, pool: str, window: str, bound_s: float) -> str:
+    """The parts of `pool`'s interactive `metric` (a proxy histogram) at `bound_s`, over the
+    replicas that may take batch, as the recording rules read them."""
+    check_pool_name(pool)
+    check_window(window)
+    selector = f'pool="{pool}",class="interactive",batch_eligible!="false"'
+    return _parts(_histogram_parts(metric, selector, bound_s, window))
+
+
+def batch_share_expr(pool: str, window: str, bound_s: float) -> str:
+    """The parts of `pool`'s engine interference histogram at `bound_s`, with the steps
+    carrying batch tokens apart (BATCH_COUNT, BATCH_AT_BOUND)."""
+    check_pool_name(pool)
+    check_window(window)
+    selector = f'pool="{pool}"'
+    batch = f'{selector},batch_step="true"'
+    count = f"rate({ENGINE_ITL}_count{{{batch}}}[{window}])"
+    bucket = f"rate({ENGINE_ITL}_bucket{{{batch},{le_matcher(bound_s)}}}[{window}])"
+    extra = [(BATCH_COUNT, f"sum by (pool) ({count})"),
+             (BATCH_AT_BOUND, f"sum by (pool) ({bucket})")]
+    return _parts(_histogram_parts(ENGINE_ITL, selector, bound_s, window, extra))
+
+
+def bound_queries(pool: str, window: str, slo: Slo) -> tuple[BoundQuery, ...]:
+    """The SLO burn of `pool` at its own SLOs: the shares of interactive ITL gaps and first
+    tokens above the SLO with their sample counts, and batch's share of the gaps above it."""
+    return (
+        BoundQuery("itl_over_slo_frac", "itl_samples", PROXY_ITL, slo.itl_p95_s,
+                   over_slo_expr(PROXY_ITL, pool, window, slo.itl_p95_s)),
+        BoundQuery("ttft_over_slo_frac", "ttft_samples", PROXY_TTFT, slo.ttft_p95_s,
+                   over_slo_expr(PROXY_TTFT, pool, window, slo.ttft_p95_s)),
+        BoundQuery("itl_over_slo_batch_frac", None, ENGINE_ITL, slo.itl_p95_s,
+                   batch_share_expr(pool, window, slo.itl_p95_s), batch=True),
     )
 
 
@@ -357,6 +442,76 @@ def parse_kv_capacity(result: Sequence[Mapping]) -> float:
     return float(total)
 
 
+def parse_parts(result: Sequence[Mapping]) -> dict[str, float]:
+    """The value of each `part` of a `BoundQuery` answer; `_QueryFailed` (NOT_A_NUMBER) when
+    a series has no part or no number, or a part comes twice."""
+    parts: dict[str, float] = {}
+    for series in result:
+        labels = series.get("metric")
+        part = labels.get("part") if isinstance(labels, Mapping) else None
+        try:
+            value = float(series["value"][1])
+        except (KeyError, IndexError, TypeError, ValueError):
+            raise _QueryFailed(NOT_A_NUMBER, f"unparsable sample {series!r}") from None
+        if not isinstance(part, str) or part in parts or math.isnan(value):
+            raise _QueryFailed(NOT_A_NUMBER, f"not one number per part: {series!r}")
+        parts[part] = value
+    return parts
+
+
+@dataclass(frozen=True)
+class BoundReading:
+    """A `BoundQuery` read: the share above the bound (NaN: not read, or nothing to share),
+    the samples in the window (NaN when the query has none), and why the share is not read
+    ('' when it is)."""
+
+    share: float
+    samples: float
+    missing: str = ""
+
+
+def read_bound(query: BoundQuery, parts: Mapping[str, float], window_s: float) -> BoundReading:
+    """The share of `query`'s samples above its bound from the answer's `parts`.
+
+    No COUNT part: no series at all (`_QueryFailed` EMPTY). Fewer series with the bound than
+    series (an old proxy or engine, a bucket not configured): the share is NaN with the reason
+    in `missing`, whatever the samples (a share read without some series would read a wrong
+    line). A share of the samples above the bound: 0 without samples (nothing to protect); a
+    batch share: NaN when no sample is above the bound (nothing to attribute).
+    """
+    if COUNT not in parts:
+        raise _QueryFailed(EMPTY, f"no {query.metric} series")
+    rate = parts[COUNT]
+    samples = rate * window_s if query.samples_field else math.nan
+    series = parts.get(SERIES, 0.0)
+    with_bound = parts.get(SERIES_AT_BOUND, 0.0)
+    if with_bound < series:
+        spelled = " or ".join(le_spellings(query.bound_s))
+        return BoundReading(math.nan, samples, (
+            f"{query.metric}: {series - with_bound:.0f} of {series:.0f} series have no bucket "
+            f"le={spelled} (the pool's SLO, {query.bound_s:g} s): its burn is not read, the "
+            "pool controls on p95 until every proxy and engine has the bound (proxy "
+            "slo_itl_s / slo_ttft_s, engine BORROWD_SLO_ITL_S or --slo-itl-s)"))
+    above = _above(rate, parts.get(AT_BOUND, 0.0))
+    if not query.batch:
+        return BoundReading(above / rate if above > 0 else 0.0, samples)
+    if BATCH_COUNT not in parts:
+        raise _QueryFailed(EMPTY, f'no {query.metric} series with batch_step="true"')
+    batch_above = _above(parts[BATCH_COUNT], parts.get(BATCH_AT_BOUND, 0.0))
+    share = min(batch_above / above, 1.0) if above > 0 else math.nan
+    return BoundReading(share, samples)
+
+
+def _above(rate: float, at_bound: float) -> float:
+    """Samples per second above the bound; 0 when the difference is float rounding.
+    `_QueryFailed` (IMPOSSIBLE) when more samples are at or below the bound than in all."""
+    above = rate - at_bound
+    if above < -_ROUNDING * rate:
+        raise _QueryFailed(IMPOSSIBLE, f"{at_bound!r} samples/s at or below the bound of "
+                                       f"{rate!r} in all")
+    return above if above > _ROUNDING * rate else 0.0
+
+
 _PARSERS: dict[str, Callable[[Sequence[Mapping]], float]] = {
     VALUE: parse_instant, SHARE: parse_share, KV_CAPACITY: parse_kv_capacity,
 }
@@ -378,6 +533,8 @@ class PrometheusSource:
     Prometheus reports it; when Prometheus cannot say (unreachable, or no series at all) it is
     the time since the freshest data it last reported (infinite before the first), so a
     supervisor that bounds staleness goes failsafe. A field whose own query fails is NaN.
+    The SLO burn of a pool is read at its SLOs in `slos` (the default `Slo()`, 1 s / 50 ms,
+    for a pool not named there).
     """
 
     def __init__(
@@ -387,17 +544,23 @@ class PrometheusSource:
         window: str,
         timeout_s: float,
         on_error: ErrorSink | None = None,
+        slos: Mapping[str, Slo] | None = None,
     ) -> None:
         self._client = client
         self._window = check_window(window)
         self._timeout_s = timeout_s
         self._on_error = on_error
+        self._slos = dict(slos or {})
         self._last_success_s: dict[str, float] = {}
 
     def last_success_age_s(self, pool: str, now_s: float) -> float:
         """Age at `now_s` of the freshest data Prometheus last reported for `pool` (inf: never)."""
         last = self._last_success_s.get(pool)
         return math.inf if last is None else max(0.0, now_s - last)
+
+    def slo(self, pool: str) -> Slo:
+        """The SLOs `pool`'s burn is read at."""
+        return self._slos.get(pool, Slo())
 
     def observe(self, pool: str, now_s: float) -> Observation:
         """Signals of `pool` evaluated at `now_s`; NaN (and a counted error) per failed query."""
@@ -413,6 +576,8 @@ class PrometheusSource:
                 if exc.kind == TRANSPORT:
                     reachable = False
                     break  # Prometheus is unreachable: do not wait out every other timeout
+        if reachable:
+            reachable = self._observe_bounds(pool, values)
         age_s = self.last_success_age_s(pool, now_s)
         if reachable:
             try:
@@ -423,6 +588,25 @@ class PrometheusSource:
                 age_s = self.last_success_age_s(pool, now_s)
         return Observation(now_s=now_s, age_s=age_s, window_s=window_seconds(self._window),
                            **values)
+
+    def _observe_bounds(self, pool: str, values: dict[str, float]) -> bool:
+        """Read `pool`'s SLO burn into `values`; False when Prometheus is unreachable."""
+        window_s = window_seconds(self._window)
+        for query in bound_queries(pool, self._window, self.slo(pool)):
+            try:
+                reading = read_bound(query, parse_parts(self._query(query.expr)), window_s)
+                if query.samples_field is not None:
+                    values[query.samples_field] = check_possible(query.samples_field,
+                                                                 reading.samples)
+                if reading.missing:
+                    raise _QueryFailed(MISSING_BOUND, reading.missing)
+                values[query.field] = reading.share if math.isnan(reading.share) else (
+                    check_possible(query.field, reading.share))
+            except _QueryFailed as exc:
+                self._report(pool, query.field, exc)
+                if exc.kind == TRANSPORT:
+                    return False
+        return True
 
     def _query(self, expr: str) -> list[dict]:
         # No `time` parameter: Prometheus evaluates at its own now, so `time()` in the age

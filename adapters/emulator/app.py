@@ -1,7 +1,8 @@
 """The emulator's OpenAI-compatible HTTP server (`borrowd emulate`).
 
 Serves `/v1/completions` and `/v1/chat/completions` (streaming and not), `/v1/models`,
-`/metrics` (vLLM's names, and the interference series of `adapters.interference`) and
+`/metrics` (vLLM's names, and the interference series of `adapters.interference`, with a
+bucket bound at each `--slo-itl-s`) and
 `/health`, like `vllm serve`. Semantics:
 
 - Prompt length: `borrowd_prompt_tokens` when given, else the estimate of
@@ -24,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -65,8 +67,13 @@ class EmulatorConfig:
     policy: str = PRIORITY
     max_model_len: int = 131072
     default_max_tokens: int = 256
+    slo_itl_s: tuple[float, ...] = ()  # the pool's ITL SLOs: bounds of the interference histogram
 
     def __post_init__(self) -> None:
+        for slo_s in self.slo_itl_s:
+            if not (math.isfinite(slo_s) and slo_s > 0):
+                raise ConfigError(
+                    f"emulator slo_itl_s (--slo-itl-s) must be finite and > 0 s, got {slo_s!r}")
         if self.time_scale <= 0:
             raise ConfigError(f"emulator time_scale must be > 0, got {self.time_scale}")
         if self.default_max_tokens <= 0:
@@ -105,7 +112,8 @@ class EmulatorServer:
         self.metrics = VllmMetrics(self.registry, config.model_name, engine_label,
                                    engine.config.max_model_len, engine.config.block_size,
                                    engine.config.num_gpu_blocks)
-        self.interference = InterferenceMetrics(self.registry, config.model_name, engine_label)
+        self.interference = InterferenceMetrics(self.registry, config.model_name, engine_label,
+                                                config.slo_itl_s)
         self.runtime = RealTimeEngine(engine, self.metrics, self.interference,
                                       time_scale=config.time_scale)
         self._task: asyncio.Task | None = None

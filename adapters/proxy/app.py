@@ -112,7 +112,8 @@ class ProxyServer:
         self.gate = gate
         self.clock = clock
         self.registry = CollectorRegistry()
-        self.metrics = ProxyMetrics(config.pool, self.registry, clock)
+        self.metrics = ProxyMetrics(config.pool, self.registry, clock,
+                                    slo_ttft_s=config.slo_ttft_s, slo_itl_s=config.slo_itl_s)
         self.upstreams = UpstreamPool(config.upstreams, config.batch_upstreams)
         self.admitter = BatchAdmitter(gate, config.admission, clock)
         self.batch = BatchRegistry()

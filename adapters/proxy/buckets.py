@@ -2,10 +2,14 @@
 
 Copied from vLLM's V1 Prometheus logger (`vllm/v1/metrics/loggers.py`,
 `PrometheusStatLogger.__init__`): the same boundaries let one PromQL query or recording rule
-compare the proxy's per-class view with the engine's view.
+compare the proxy's per-class view with the engine's view. `with_slo_bounds` adds a bound at
+each SLO of the pool, so the share of samples above the SLO is counted exactly, whatever it is.
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Iterable
 
 TTFT_BUCKETS_S: tuple[float, ...] = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -37,3 +41,15 @@ def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
                 return tuple(buckets)
             buckets.append(value)
         exponent += 1
+
+
+def with_slo_bounds(buckets_s: Iterable[float], slos_s: Iterable[float]) -> tuple[float, ...]:
+    """`buckets_s` with a bound at each of `slos_s` (seconds), sorted, each bound once.
+
+    Raises ValueError for an SLO that is not a finite number above 0 (callers name the key)."""
+    slos = tuple(slos_s)
+    for slo_s in slos:
+        if not (math.isfinite(slo_s) and slo_s > 0):
+            raise ValueError(f"an SLO bound must be a finite number of seconds above 0, "
+                             f"got {slo_s!r}")
+    return tuple(sorted({*buckets_s, *slos}))

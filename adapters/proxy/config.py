@@ -113,6 +113,18 @@ class ProxyConfig:
         metadata=meta("URLs", "the upstreams that may take batch, each one of `upstreams` "
                       "(empty: all); interactive keeps using every upstream"),
     )
+    slo_ttft_s: tuple[float, ...] = field(
+        default=(),
+        metadata=meta("s", "the pool's p95 TTFT SLO (the daemon's slo_ttft_p95_s; several while "
+                      "changing it): each is a bound of borrowd_proxy_ttft_seconds, where the "
+                      "daemon reads its burn (vLLM's bounds hold 1 s, the default)", gt=0.0),
+    )
+    slo_itl_s: tuple[float, ...] = field(
+        default=(),
+        metadata=meta("s", "the pool's p95 ITL SLO (the daemon's slo_itl_p95_s; several while "
+                      "changing it): each is a bound of borrowd_proxy_itl_seconds, where the "
+                      "daemon reads its burn (vLLM's bounds hold 50 ms, the default)", gt=0.0),
+    )
     upstream_api_key: str | None = field(
         default=None, metadata=meta("key", "bearer key sent to the upstreams (vLLM --api-key)")
     )

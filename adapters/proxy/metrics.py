@@ -1,7 +1,9 @@
 """The proxy's Prometheus metrics, per pool and class: what the daemon reads as its sensor.
 
 Names and labels are a contract with the daemon (see the team brief); TTFT and ITL use
-vLLM's bucket boundaries and say whether the upstream that served the request may take
+vLLM's bucket boundaries plus a bound at each of the pool's SLOs (`proxy.slo_ttft_s`,
+`proxy.slo_itl_s`: the daemon reads the share of samples above the pool's SLO at exactly that
+`le`), and say whether the upstream that served the request may take
 batch (`batch_eligible`: "true" on every upstream unless `batch_upstreams` restricts batch),
 so the daemon's rules read the interactive latency of the replicas batch can touch.
 `InflightTracker` keeps the requests still waiting for a first token, so
@@ -11,9 +13,14 @@ so the daemon's rules read the interactive latency of the replicas batch can tou
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
-from borrowd.adapters.proxy.buckets import ITL_BUCKETS_S, REQUEST_LATENCY_BUCKETS_S, TTFT_BUCKETS_S
+from borrowd.adapters.proxy.buckets import (
+    ITL_BUCKETS_S,
+    REQUEST_LATENCY_BUCKETS_S,
+    TTFT_BUCKETS_S,
+    with_slo_bounds,
+)
 from borrowd.adapters.proxy.config import RequestClass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -68,24 +75,28 @@ class _OldestWaitCollector(Collector):
 
 
 class ProxyMetrics:
-    """Every proxy metric, with label children bound once per class for the hot path."""
+    """Every proxy metric, with label children bound once per class for the hot path; TTFT
+    and ITL have a bound at each of `slo_ttft_s` / `slo_itl_s` (seconds) besides vLLM's."""
 
     def __init__(
         self,
         pool: str,
         registry: CollectorRegistry,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        slo_ttft_s: Sequence[float] = (),
+        slo_itl_s: Sequence[float] = (),
     ) -> None:
         self.registry = registry
         self.tracker = InflightTracker()
         ttft = Histogram("borrowd_proxy_ttft_seconds",
                          "Time from request arrival at the proxy to the first token.",
                          ["pool", "class", "batch_eligible"], registry=registry,
-                         buckets=TTFT_BUCKETS_S)
+                         buckets=with_slo_bounds(TTFT_BUCKETS_S, slo_ttft_s))
         itl = Histogram("borrowd_proxy_itl_seconds",
                         "Gap between consecutive streamed token chunks.",
                         ["pool", "class", "batch_eligible"], registry=registry,
-                        buckets=ITL_BUCKETS_S)
+                        buckets=with_slo_bounds(ITL_BUCKETS_S, slo_itl_s))
         requests = Counter("borrowd_proxy_requests_total", "Requests by final outcome.",
                            ["pool", "class", "outcome"], registry=registry)
         tokens = Counter("borrowd_proxy_tokens_total", "Tokens by kind (prompt, output).",

@@ -111,7 +111,7 @@ def build_daemon(
 
     source = PrometheusSource(
         prom, window=config.prometheus.window, timeout_s=config.prometheus.timeout_s,
-        on_error=on_query_error,
+        on_error=on_query_error, slos={pool.name: pool.controller.slo() for pool in config.pools},
     )
     holder_id = config.daemon.resolved_holder_id()
     unregistered = register_pools(client, [p.name for p in config.pools], holder_id, time.time())

@@ -58,6 +58,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                          help="vLLM --max-model-len, tokens")
     emulate.add_argument("--default-max-tokens", type=int, default=256,
                          help="output tokens of a request without max_tokens")
+    emulate.add_argument("--slo-itl-s", type=float, action="append", default=[],
+                         metavar="SECONDS",
+                         help="the pool's p95 ITL SLO (repeatable): a bound of the interference "
+                         "histogram, where the daemon reads the burn (vLLM's hold 50 ms)")
     emulate.set_defaults(func=run_emulate)
 
 
@@ -115,6 +119,7 @@ def run_emulate(args: argparse.Namespace) -> int:
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         kv_capacity_tokens=args.kv_capacity_tokens, policy=args.policy,
         max_model_len=args.max_model_len, default_max_tokens=args.default_max_tokens,
+        slo_itl_s=tuple(args.slo_itl_s),
     )
     server = EmulatorServer(config)
 

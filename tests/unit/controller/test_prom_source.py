@@ -12,13 +12,21 @@ import numpy as np
 import pytest
 import requests
 from borrowd.controller.prom_source import (
+    AT_BOUND,
+    BATCH_AT_BOUND,
+    BATCH_COUNT,
+    COUNT,
     EMPTY,
     HTTP,
     IMPOSSIBLE,
     KV_CAPACITY,
+    MISSING_BOUND,
     NOT_A_NUMBER,
+    SERIES,
+    SERIES_AT_BOUND,
     TRANSPORT,
     PrometheusSource,
+    bound_queries,
     connect_prometheus,
     identification_queries,
     identification_series,
@@ -27,8 +35,9 @@ from borrowd.controller.prom_source import (
     window_seconds,
 )
 from borrowd.models.errors import InputError
-from borrowd.models.signals import Observation
+from borrowd.models.signals import Observation, Slo
 from prometheus_api_client import PrometheusApiClientException
+from prometheus_client import CollectorRegistry
 
 from tests.support.servers import free_port
 
@@ -92,9 +101,36 @@ def cache_info(*engines: dict[str, str]) -> list[dict]:
              "value": [1700000000.0, "1"]} for labels in engines]
 
 
-def healthy_answers(pool: str = "chat", window: str = "15s") -> dict[str, object]:
+DEFAULT_SLO = Slo()  # 1 s / 50 ms
+
+
+def parts(**values: float) -> list[dict]:
+    """A `BoundQuery` answer: one series per part (COUNT, AT_BOUND, ...) with its value."""
+    return [{"metric": {"pool": "chat", "part": name}, "value": [1700000000.0, repr(value)]}
+            for name, value in values.items()]
+
+
+def histogram(rate: float, at_bound: float, series: int = 1, with_bound: int | None = None,
+              **batch: float) -> list[dict]:
+    """The parts of a histogram read at a bound: `rate` samples/s, `at_bound` of them at or
+    below it, `series` series of which `with_bound` (all by default) have the bound."""
+    with_bound = series if with_bound is None else with_bound
+    values = {COUNT: rate, SERIES: float(series), **batch}
+    if with_bound:
+        values.update({AT_BOUND: at_bound, SERIES_AT_BOUND: float(with_bound)})
+    return parts(**values)
+
+
+def bound_expr(field: str, pool: str = "chat", window: str = "15s", slo: Slo = DEFAULT_SLO) -> str:
+    """The expression of the `BoundQuery` filling `field`."""
+    return next(q.expr for q in bound_queries(pool, window, slo) if q.field == field)
+
+
+def healthy_answers(pool: str = "chat", window: str = "15s", slo: Slo = DEFAULT_SLO
+                    ) -> dict[str, object]:
     """Every query of `pool` answered with FIELD_VALUES (the KV capacity as two engines of
-    16000 and 32000 tokens); data 0.5 s old."""
+    16000 and 32000 tokens; the shares above the SLO from histograms counting them); data
+    0.5 s old."""
     answers: dict[str, object] = {
         q.expr: instant(repr(FIELD_VALUES[q.field])) for q in pool_queries(pool, window)
     }
@@ -104,6 +140,15 @@ def healthy_answers(pool: str = "chat", window: str = "15s") -> dict[str, object
         {"instance": "b:8000", "block_size": "16", "num_gpu_blocks": "1000",
          "kv_cache_size_tokens": "32000"},
     )
+    window_s = window_seconds(window)
+    for share, samples in (("itl_over_slo_frac", "itl_samples"),
+                           ("ttft_over_slo_frac", "ttft_samples")):
+        rate = FIELD_VALUES[samples] / window_s
+        answers[bound_expr(share, pool, window, slo)] = histogram(
+            rate, rate * (1 - FIELD_VALUES[share]), series=2)
+    batch_above = 10.0 * FIELD_VALUES["itl_over_slo_batch_frac"]
+    answers[bound_expr("itl_over_slo_batch_frac", pool, window, slo)] = histogram(
+        100.0, 90.0, series=4, **{BATCH_COUNT: 50.0, BATCH_AT_BOUND: 50.0 - batch_above})
     return answers
 
 
@@ -141,25 +186,12 @@ def test_observation_carries_its_window(window: str, seconds: float) -> None:
     assert source.observe("chat", 1000.0).window_s == 15.0
 
 
-@pytest.mark.parametrize("window", ["15s", "1m"], ids=["15s", "1m"])
-def test_slo_burn_fields_read_the_over_slo_rules(window: str) -> None:
-    """The shares above the SLOs come from the interactive over-SLO ratio rules."""
-    exprs = {q.field: q.expr for q in pool_queries("chat", window)}
-    sel = '{pool="chat",class="interactive"}'
-    assert exprs["itl_over_slo_frac"] == (
-        f"pool_class:borrowd_proxy_itl_seconds:over_slo_ratio_rate{window}{sel}"
-    )
-    assert exprs["ttft_over_slo_frac"] == (
-        f"pool_class:borrowd_proxy_ttft_seconds:over_slo_ratio_rate{window}{sel}"
-    )
-
-
 def test_queries_are_evaluated_at_prometheus_time_with_the_short_timeout() -> None:
     """Each query is sent once, with the configured timeout and no `time` of the daemon's:
     Prometheus evaluates at its own now, so staleness is measured on its clock."""
     client = FakeClient(healthy_answers(), default=age_default())
     make_source(client, []).observe("chat", 1234.5)
-    assert len(client.asked) == len(pool_queries("chat", "15s")) + 1
+    assert len(client.asked) == len(pool_queries("chat", "15s")) + 3 + 1
     assert all("time" not in params for _, params, _ in client.asked)
     assert {timeout for _, _, timeout in client.asked} == {0.25}
 
@@ -168,9 +200,9 @@ def test_queries_are_evaluated_at_prometheus_time_with_the_short_timeout() -> No
     ("field", "value"),
     [("ttft_p95_s", "-0.5"), ("itl_p95_s", "-1e-3"), ("kv_usage_frac", "-0.1"),
      ("kv_usage_frac", "1.5"), ("success_rate", "7"), ("interactive_queue_depth", "-3"),
-     ("itl_over_slo_frac", "2"), ("ttft_p95_s", "+Inf"), ("batch_tokens_per_s", "-Inf")],
+     ("ttft_p95_s", "+Inf"), ("batch_tokens_per_s", "-Inf")],
     ids=["negative-ttft", "negative-itl", "negative-kv", "kv-above-1", "success-7",
-         "negative-queue", "share-above-1", "inf-ttft", "minus-inf-rate"],
+         "negative-queue", "inf-ttft", "minus-inf-rate"],
 )
 def test_impossible_values_read_as_missing(field: str, value: str) -> None:
     """A value no healthy fleet reports is not healthy: its field is NaN and it is counted."""
@@ -189,10 +221,10 @@ def _answers_with(field: str, answer: object) -> dict[str, object]:
     return answers
 
 
-@pytest.mark.parametrize("field", ["itl_over_slo_batch_frac", "interactive_wait_batch_frac"])
-def test_a_nan_batch_share_is_a_reading_and_an_absent_one_is_missing(field: str) -> None:
-    """NaN (no gap above the SLO, no wait: nothing to attribute) reads as NaN without an
-    error; no series (no engine exports the interference series) is missing and counted."""
+def test_a_nan_wait_share_is_a_reading_and_an_absent_one_is_missing() -> None:
+    """NaN (no wait: nothing to attribute) reads as NaN without an error; no series (no
+    engine exports the interference series) is missing and counted."""
+    field = "interactive_wait_batch_frac"
     errors: list = []
     client = FakeClient(_answers_with(field, instant("NaN")), default=age_default())
     obs = make_source(client, errors).observe("chat", 1.0)
@@ -201,6 +233,47 @@ def test_a_nan_batch_share_is_a_reading_and_an_absent_one_is_missing(field: str)
     obs = make_source(client, errors).observe("chat", 1.0)
     assert queried_missing(obs) == [field]
     assert [(f, kind) for _, f, kind, _ in errors] == [(field, EMPTY)]
+
+
+def _observe_bound(field: str, answer: object, slo: Slo = DEFAULT_SLO) -> tuple[Observation, list]:
+    answers = healthy_answers(slo=slo)
+    answers[bound_expr(field, slo=slo)] = answer
+    errors: list = []
+    source = PrometheusSource(FakeClient(answers, default=age_default()), window="15s",
+                              timeout_s=0.25, on_error=lambda *e: errors.append(e),
+                              slos={"chat": slo})
+    return source.observe("chat", 1.0), errors
+
+
+@pytest.mark.parametrize(
+    ("answer", "share"),
+    [(histogram(100.0, 90.0, **{BATCH_COUNT: 40.0, BATCH_AT_BOUND: 32.5}), 0.75),
+     (histogram(100.0, 100.0, **{BATCH_COUNT: 40.0, BATCH_AT_BOUND: 40.0}), math.nan),
+     (histogram(0.0, 0.0, **{BATCH_COUNT: 0.0, BATCH_AT_BOUND: 0.0}), math.nan)],
+    ids=["three-quarters", "none-above", "no-gap"],
+)
+def test_batch_share_is_batch_steps_share_of_the_gaps_above_the_slo(answer: list,
+                                                                     share: float) -> None:
+    """Batch's share is (batch gaps above the bound) / (all gaps above it); NaN, without an
+    error, when no gap is above (nothing to attribute)."""
+    obs, errors = _observe_bound("itl_over_slo_batch_frac", answer)
+    assert obs.itl_over_slo_batch_frac == pytest.approx(share, nan_ok=True)
+    assert errors == []
+
+
+@pytest.mark.parametrize(
+    ("answer", "kind"),
+    [([], EMPTY), (histogram(100.0, 90.0), EMPTY),
+     (histogram(100.0, 90.0, series=2, with_bound=1,
+                **{BATCH_COUNT: 40.0, BATCH_AT_BOUND: 35.0}), MISSING_BOUND)],
+    ids=["no-engine", "no-batch-step-series", "bound-missing-on-one-engine"],
+)
+def test_an_unread_batch_share_is_missing_and_counted(answer: list, kind: str) -> None:
+    """No engine series, or an engine without the bound: the batch share is NaN (the
+    supervisor then takes a severe burn as batch's: batch fails closed) and counted."""
+    obs, errors = _observe_bound("itl_over_slo_batch_frac", answer)
+    assert math.isnan(obs.itl_over_slo_batch_frac)
+    assert [(f, k) for _, f, k, _ in errors] == [("itl_over_slo_batch_frac", kind)]
 
 
 @pytest.mark.parametrize(
@@ -418,3 +491,114 @@ def test_range_query_failure_names_the_expression(answer: object, message: str) 
     """A range query with nothing to fit raises InputError naming the query."""
     with pytest.raises(InputError, match=message):
         query_range(FakeClient({"q": answer}), "q", start_s=0, end_s=10, step_s=1)
+
+
+@pytest.mark.parametrize(
+    ("bound_s", "spellings", "matcher"),
+    [(0.05, ("0.05",), r'le=~"0\\.05"'),
+     (1.0, ("1.0", "1"), r'le=~"1\\.0|1"'),
+     (0.0075, ("0.0075",), r'le=~"0\\.0075"'),
+     (0.12, ("0.12",), r'le=~"0\\.12"'),
+     (2560.0, ("2560.0", "2560"), r'le=~"2560\\.0|2560"'),
+     (1e-05, ("1e-05",), r'le=~"1e\\-05"')],
+    ids=["50ms", "1s", "7.5ms", "120ms", "2560s", "10us"],
+)
+def test_bound_is_spelled_as_prometheus_client_writes_le(bound_s: float, spellings: tuple,
+                                                         matcher: str) -> None:
+    """The bound is matched as prometheus_client writes `le` (floatToGoString) and, for a
+    whole number, as Go's client does (1 besides 1.0), dots escaped in the PromQL regex."""
+    from borrowd.controller.prom_source import le_matcher, le_spellings
+    from prometheus_client import Histogram
+
+    assert le_spellings(bound_s) == spellings
+    assert le_matcher(bound_s) == matcher
+    registry = CollectorRegistry()
+    Histogram("h_seconds", "h", registry=registry, buckets=(bound_s,)).observe(0.0)
+    written = {s.labels["le"] for m in registry.collect() for s in m.samples if "le" in s.labels}
+    assert spellings[0] in written
+
+
+@pytest.mark.parametrize("window", ["15s", "1m"], ids=["15s", "1m"])
+def test_burn_is_queried_at_the_pools_own_slo_for_each_window(window: str) -> None:
+    """ITL and TTFT shares read the proxy histograms of the replicas that may take batch at
+    `le` equal to the pool's SLOs, the batch share the engines' at the ITL SLO, in the
+    source's window; one query per histogram, every part labelled."""
+    queries = {q.field: q for q in bound_queries("chat", window, Slo(0.12, 0.0076))}
+    assert set(queries) == {"itl_over_slo_frac", "ttft_over_slo_frac", "itl_over_slo_batch_frac"}
+    itl = queries["itl_over_slo_frac"]
+    assert (itl.samples_field, itl.bound_s) == ("itl_samples", 0.0076)
+    sel = 'pool="chat",class="interactive",batch_eligible!="false"'
+    assert (f'rate(borrowd_proxy_itl_seconds_bucket{{{sel},le=~"0\\\\.0076"}}[{window}])'
+            in itl.expr)
+    assert f"rate(borrowd_proxy_itl_seconds_count{{{sel}}}[{window}])" in itl.expr
+    assert 'le=~"0\\\\.12"' in queries["ttft_over_slo_frac"].expr
+    batch = queries["itl_over_slo_batch_frac"]
+    assert batch.batch and batch.samples_field is None
+    assert ('borrowd_engine_interactive_itl_seconds_bucket{pool="chat",batch_step="true",'
+            'le=~"0\\\\.0076"}' in batch.expr)
+    for query in queries.values():
+        assert f'"part", "{COUNT}"' in query.expr and f'"part", "{SERIES_AT_BOUND}"' in query.expr
+        assert "over_slo" not in query.expr  # not the default-SLO recording rules
+
+
+def test_each_pool_reads_its_burn_at_its_own_slo() -> None:
+    """A source with per-pool SLOs asks each pool at its bounds; an unnamed pool at 1 s /
+    50 ms; three burn queries per pool, one fewer than the fields they fill."""
+    slo = Slo(ttft_p95_s=0.3, itl_p95_s=0.0075)
+    answers = {**healthy_answers("chat", slo=slo), **healthy_answers("other")}
+    client = FakeClient(answers, default=age_default())
+    errors: list = []
+    source = PrometheusSource(client, window="15s", timeout_s=0.25,
+                              on_error=lambda *e: errors.append(e), slos={"chat": slo})
+    for pool in ("chat", "other"):
+        client.asked.clear()
+        obs = source.observe(pool, 1.0)
+        assert errors == [] and queried_missing(obs) == []
+        assert obs.itl_over_slo_frac == pytest.approx(FIELD_VALUES["itl_over_slo_frac"])
+        assert obs.itl_samples == pytest.approx(FIELD_VALUES["itl_samples"])
+        asked = " ".join(query for query, _, _ in client.asked)
+        bounds = ('0\\\\.0075', '0\\\\.3') if pool == "chat" else ('0\\\\.05', '1\\\\.0|1')
+        assert all(f'le=~"{b}"' in asked for b in bounds)
+        assert len(client.asked) == len(pool_queries(pool, "15s")) + 3 + 1
+    assert source.slo("other") == Slo()
+
+
+@pytest.mark.parametrize(
+    ("answer", "share", "samples"),
+    [(histogram(80.0, 72.0), 0.1, 1200.0), (histogram(80.0, 80.0), 0.0, 1200.0),
+     (histogram(0.0, 0.0), 0.0, 0.0), (histogram(80.0, 80.0 * (1 + 1e-12)), 0.0, 1200.0)],
+    ids=["tenth-above", "none-above", "no-sample", "rounding-above-count"],
+)
+def test_share_above_the_slo_and_its_samples(answer: list, share: float, samples: float) -> None:
+    """share = 1 - rate at or below the bound / rate; samples = rate x window (0 and 0 when
+    the window held no sample: nothing to protect, a safe reading)."""
+    obs, errors = _observe_bound("itl_over_slo_frac", answer)
+    assert (obs.itl_over_slo_frac, obs.itl_samples) == (pytest.approx(share),
+                                                        pytest.approx(samples))
+    assert errors == []
+
+
+@pytest.mark.parametrize(
+    ("answer", "kind", "samples"),
+    [([], EMPTY, math.nan),
+     (histogram(80.0, 0.0, series=1, with_bound=0), MISSING_BOUND, 1200.0),
+     (histogram(80.0, 40.0, series=3, with_bound=2), MISSING_BOUND, 1200.0),
+     (histogram(0.0, 0.0, series=1, with_bound=0), MISSING_BOUND, 0.0),
+     (histogram(80.0, 81.0), IMPOSSIBLE, math.nan),
+     (parts(**{COUNT: 80.0}) + parts(**{COUNT: 70.0}), NOT_A_NUMBER, math.nan)],
+    ids=["no-series", "no-series-has-the-bound", "one-of-three-lacks-it", "idle-without-bound",
+         "more-at-bound-than-all", "part-twice"],
+)
+def test_an_unread_share_is_missing_never_safe(answer: list, kind: str, samples: float) -> None:
+    """No bucket at the pool's SLO on some series (an old proxy), or an answer that is not a
+    histogram: the share is NaN (the pool controls on p95), the samples of a histogram
+    without the bound are still read, and the error is counted; the missing-bound detail
+    names the metric, the bound and the way out."""
+    obs, errors = _observe_bound("ttft_over_slo_frac", answer, Slo(ttft_p95_s=0.3))
+    assert math.isnan(obs.ttft_over_slo_frac)
+    assert obs.ttft_samples == pytest.approx(samples, nan_ok=True)
+    assert [(pool, f, k) for pool, f, k, _ in errors] == [("chat", "ttft_over_slo_frac", kind)]
+    if kind == MISSING_BOUND:
+        detail = errors[0][3]
+        assert "borrowd_proxy_ttft_seconds" in detail and "le=0.3" in detail
+        assert "slo_ttft_s" in detail and "p95" in detail
