@@ -89,7 +89,8 @@ def _daemon_config(prometheus_url: str, redis_url: str) -> dict:
 def _proxy_config(port: int, upstreams: list[str], redis_url: str) -> dict:
     return {
         "proxy": {"pool": POOL, "listen_host": "127.0.0.1", "listen_port": port,
-                  "upstreams": upstreams, "redis_url": redis_url},
+                  "upstreams": upstreams, "redis_url": redis_url,
+                  "slo_ttft_s": [SLO_TTFT_S], "slo_itl_s": [SLO_ITL_S]},
         "admission": {"mode": "queue", "queue_max_wait_s": 10.0, "lease_ms": 30000},
         "tenants": {"chat": {"keys": [INTERACTIVE_KEY], "class": "interactive"},
                     "etl": {"keys": [BATCH_KEY], "class": "batch"}},
@@ -134,6 +135,7 @@ def test_end_to_end(tmp_path: Path) -> None:
                 cli, "emulate", "--listen", f"127.0.0.1:{port}", "--engine-index", str(index),
                 "--time-scale", str(TIME_SCALE), "--max-num-batched-tokens", "2048",
                 "--long-prefill-token-threshold", "512", "--kv-capacity-tokens", "200000",
+                "--slo-itl-s", str(SLO_ITL_S),
             ], port, timeout_s=30))
             servers.append(emulators[-1])
         proxy_port = free_port()
@@ -250,6 +252,11 @@ def test_end_to_end(tmp_path: Path) -> None:
         ttft_windows = query_range(
             prom, f'pool_class:borrowd_proxy_ttft_seconds:p95_rate15s{{pool="{POOL}",'
                   'class="interactive"}', start_s=t0, end_s=time.time(), step_s=1.0)
+
+        # The proxy and the engines carry the pool's SLO bounds: the burn was read at them.
+        missing_bound = prom.custom_query(
+            f'borrowd_errors_total{{pool="{POOL}",kind="missing_bound"}} > 0')
+        assert missing_bound == [], missing_bound
 
         # Prometheus down: the leader goes failsafe (batch closed).
         prometheus.kill(signal.SIGKILL)
