@@ -212,8 +212,10 @@ class ControllerPolicy:
         dt_s = now_s - self.last_now_s if math.isfinite(self.last_now_s) else self.tick_s
         dt_s = min(max(dt_s, 1e-3), 10 * self.tick_s)
         self.last_now_s = now_s
+        in_force = self.caps.last_caps
         tick = LawTick(obs, (obs.ttft_norm(self.slo), obs.itl_norm(self.slo)), self.u_applied,
-                       dt_s)
+                       dt_s, batch_seqs_cap=(in_force.max_batch_seqs if in_force is not None
+                                             else math.inf))
         proposal = self.law.propose(tick)
         burns = self.law.readings if self.config.control_on_burn else NO_BURNS
         decision = supervise(

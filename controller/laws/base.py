@@ -33,6 +33,8 @@ class LawTick:
     SLO / 0.05; NaN when not measured or not tracked); `du_ff_tokens_per_s`, `forecast` and
     `ff_gain` come from the feed-forward wrapper, `gain_ratios` (local/nominal plant gain per
     output) from the gain-scheduling wrapper; without them they are neutral.
+    `batch_seqs_cap` is the sequence cap of the budget in force (inf: none known), so a
+    wrapper can tell batch that is held by its caps from batch that has no more work.
     """
 
     obs: Observation
@@ -44,6 +46,7 @@ class LawTick:
     forecast: ForecastState = field(default_factory=ForecastState)
     ff_gain: float = 0.0
     gain_ratios: tuple[float, ...] = (1.0,) * len(OUTPUTS)
+    batch_seqs_cap: float = math.inf
 
 
 @dataclass(frozen=True)

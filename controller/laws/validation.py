@@ -10,6 +10,12 @@ batch work does not use what it has, and grows from what was actually carried:
 so a pool without batch demand keeps a small budget instead of winding up to u_max, and the
 first wave of batch work after a quiet spell is admitted at a rate the loop can follow. A
 tick whose batch rate is not measured leaves the ceiling where it was.
+
+Batch is application-limited only while it runs fewer sequences than the budget's sequence
+cap allows. At the cap it is held by the budget itself (its requests decode longer than the
+cap's tokens/s per sequence assumes: long outputs, a slow engine), so that tick counts as
+carrying the whole budget applied; otherwise the ceiling and the cap that follows the budget
+would hold each other at the floor for good.
 """
 
 from __future__ import annotations
@@ -47,6 +53,12 @@ class ValidationConfig:
             )
 
 
+def cap_limited(tick: LawTick) -> bool:
+    """True when the batch sequences in flight fill the sequence cap in force."""
+    running = tick.obs.batch_running_seqs
+    return math.isfinite(tick.batch_seqs_cap) and running >= max(1.0, tick.batch_seqs_cap)
+
+
 class UseValidated:
     """A `Law` whose proposals never run ahead of the batch rate carried (module docstring)."""
 
@@ -63,6 +75,8 @@ class UseValidated:
         if not self.config.enabled:
             return proposal
         now_s, rate = tick.obs.now_s, tick.obs.batch_tokens_per_s
+        if math.isfinite(rate) and cap_limited(tick):
+            rate = max(rate, tick.u_applied_tokens_per_s)
         if math.isfinite(rate):
             self.carried.append((now_s, rate))
             while self.carried and self.carried[0][0] <= now_s - self.config.window_s:

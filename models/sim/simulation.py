@@ -499,7 +499,8 @@ class Simulation:
             preemptions_per_s=sum(rec.preemptions_per_s[lo:hi]) / span,
             interactive_tokens_per_s=sum(rec.interactive_offered_per_s[lo:hi]) / span,
             batch_tokens_per_s=sum(rec.batch_tokens_per_s[lo:hi]) / span,
-            batch_running_seqs=float(sum(e.num_running(BATCH) for e in engines)),
+            # Admitted and not finished, as the proxy's in-flight gauge counts them.
+            batch_running_seqs=float(len(self._batch_inflight)),
             interactive_requests=float(b - a),
             itl_over_slo_frac=itl_over,
             ttft_over_slo_frac=ttft_over,
