@@ -81,6 +81,7 @@ def start_fleet(workdir: Path, *, engines: int = 2, tick_s: float = 0.5,
                 cli, "emulate", "--listen", f"127.0.0.1:{port}", "--engine-index", str(index),
                 "--time-scale", "4", "--max-num-batched-tokens", "2048",
                 "--long-prefill-token-threshold", "512", "--kv-capacity-tokens", "200000",
+                "--slo-itl-s", str(SLO_ITL_S),
             ], port, timeout_s=30))
             servers.append(emulators[-1])
         proxy_port = free_port()
@@ -88,7 +89,8 @@ def start_fleet(workdir: Path, *, engines: int = 2, tick_s: float = 0.5,
         proxy_toml.write_text(to_toml({
             "proxy": {"pool": POOL, "listen_host": "127.0.0.1", "listen_port": proxy_port,
                       "upstreams": [f"http://127.0.0.1:{e.port}" for e in emulators],
-                      "redis_url": redis_url},
+                      "redis_url": redis_url,
+                      "slo_ttft_s": [SLO_TTFT_S], "slo_itl_s": [SLO_ITL_S]},
             "admission": {"mode": "queue", "queue_max_wait_s": 10.0, "lease_ms": 30000},
             "tenants": {"chat": {"keys": [INTERACTIVE_KEY], "class": "interactive"},
                         "etl": {"keys": [BATCH_KEY], "class": "batch"}},
