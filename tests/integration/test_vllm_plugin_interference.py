@@ -47,8 +47,10 @@ def _open_budget() -> Budget:
 
 
 def _plugin(source: StaticBudgetSource, cls: type = BorrowdScheduler,
-            listen: tuple[str, int] | None = None) -> BorrowdScheduler:
-    config = PluginConfig(pool=POOL, redis_url="redis://127.0.0.1:1/0", metrics_listen=listen)
+            listen: tuple[str, int] | None = None,
+            slo_itl_s: tuple[float, ...] = ()) -> BorrowdScheduler:
+    config = PluginConfig(pool=POOL, redis_url="redis://127.0.0.1:1/0", metrics_listen=listen,
+                          slo_itl_s=slo_itl_s)
     return h.scheduler(h.engine_config(), cls, step_clock=StepClock(), budget_source=source,
                        plugin_config=config)
 
@@ -127,6 +129,22 @@ def test_plugin_serves_its_series_on_metrics_listen() -> None:
         text = resp.read().decode()
     assert f'{ITL_METRIC}_count{{batch_step="false",engine="0"' in text
     assert f"{WAIT_METRIC}_total" in text
+
+
+def test_plugin_gap_histogram_has_a_bound_at_the_pools_itl_slo() -> None:
+    """With `BORROWD_SLO_ITL_S` the served gap histogram has a bucket at the pool's ITL SLO
+    (7.5 ms, below vLLM's smallest ITL bound), where the daemon reads the burn."""
+    port = free_port()
+    sched = _plugin(StaticBudgetSource(_open_budget()), listen=("127.0.0.1", port),
+                    slo_itl_s=PluginConfig.from_env(
+                        {"BORROWD_POOL": POOL, "BORROWD_SLO_ITL_S": "0.0075"}).slo_itl_s)
+    h.add(sched, "i0", 100, 4)
+    for _ in range(3):
+        h.step(sched)
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    assert f'{ITL_METRIC}_bucket{{batch_step="false",engine="0",le="0.0075"' in text
+    assert f'{ITL_METRIC}_bucket{{batch_step="false",engine="0",le="0.01"' in text
 
 
 def test_a_taken_metrics_port_does_not_stop_the_engine() -> None:
