@@ -63,3 +63,19 @@ def test_the_burn_decides_where_read_else_the_p95(
     _, (_, _, itl_label) = latency_checks(obs, policy.slo, supervisor, cut=False, burns=burns)
     assert itl_label == label
     assert is_quiet(obs, policy.slo, supervisor, burns) is quiet
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "controller/laws/smoothing.py keeps the last burn reading when add() refuses an unread "
+    "share (`readings.append(prev)`), so a bound lost mid-run (a proxy rolled back) freezes "
+    "the burn instead of falling back to p95; the fix belongs to the controller's owner"))
+def test_a_share_lost_mid_run_falls_back_to_the_p95() -> None:
+    """Shares read (0, quiet) and then no longer read while the p95 is 3x the SLO: the
+    check must move to p95/SLO (not quiet), not keep the last burn of 0."""
+    policy = _policy()
+    for tick in range(40):
+        policy.step(_obs(float(tick), 0.9 * SLO_ITL_S, 0.0), float(tick))
+    for tick in range(40, 100):
+        obs = _obs(float(tick), 3 * SLO_ITL_S, math.nan)
+        policy.step(obs, float(tick))
+    assert not is_quiet(obs, policy.slo, policy.config.supervisor, policy.law.readings)
