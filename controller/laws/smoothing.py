@@ -116,12 +116,12 @@ class Smoothed:
             (obs.itl_over_slo_frac, obs.itl_samples, obs.itl_over_slo_batch_frac),
         )
         readings: list[BurnReading | None] = []
-        for window, (share, samples, batch), prev in zip(
-            self.windows, counted, self.readings, strict=True
-        ):
+        for window, (share, samples, batch) in zip(self.windows, counted, strict=True):
             if window.add(obs.now_s, share, samples, obs.window_s, dt_s, batch):
                 readings.append(window.reading(obs.now_s))
             else:
-                readings.append(prev)
+                # Samples came but their share was not read (a histogram without the SLO's
+                # bound): no burn this tick, so the checks fall back to the p95.
+                readings.append(None)
         self.readings = (readings[0], readings[1])
         self.burns = tuple(r.burn if r is not None else math.nan for r in self.readings)

@@ -62,19 +62,20 @@ def test_law_tracks_the_burn_when_measured(over, on_burn, expected_itl, expected
     assert loops[1].setpoint == pytest.approx(expected_setpoint)
 
 
-def test_burn_is_counted_and_held_through_an_unmeasured_window():
+def test_burn_is_counted_and_dropped_for_an_unmeasured_window():
     """The law's burn is the fast window's share above the SLO weighted by sample counts; a
-    share missing while samples were counted holds the last reading; no samples read as 0."""
+    share missing while samples were counted gives no reading (the checks fall back to the
+    p95), never the last one held; no samples read as 0."""
     policy = build_policy(ControllerConfig(), "p", None)
     for t in range(12):
         policy.step(observation(float(t), itl_over_slo_frac=0.05 if t % 2 else 0.0,
                                 ttft_over_slo_frac=0.0, window_s=5.0, itl_samples=1000.0,
                                 ttft_samples=50.0), float(t))
     assert policy.law.burns[1] == pytest.approx(0.5)
-    reading = policy.law.readings[1]
     policy.step(observation(12.0, ttft_over_slo_frac=0.0, itl_samples=1000.0,
                             ttft_samples=50.0, window_s=5.0), 12.0)
-    assert policy.law.readings[1] is reading
+    assert policy.law.readings[1] is None
+    assert policy.law.readings[0] is not None
     idle = build_policy(ControllerConfig(), "p", None)
     idle.step(observation(0.0, itl_p95_s=math.nan, itl_samples=0.0, window_s=5.0), 0.0)
     assert idle.law.burns[1] == 0.0

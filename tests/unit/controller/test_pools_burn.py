@@ -65,10 +65,6 @@ def test_the_burn_decides_where_read_else_the_p95(
     assert is_quiet(obs, policy.slo, supervisor, burns) is quiet
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "controller/laws/smoothing.py keeps the last burn reading when add() refuses an unread "
-    "share (`readings.append(prev)`), so a bound lost mid-run (a proxy rolled back) freezes "
-    "the burn instead of falling back to p95; the fix belongs to the controller's owner"))
 def test_a_share_lost_mid_run_falls_back_to_the_p95() -> None:
     """Shares read (0, quiet) and then no longer read while the p95 is 3x the SLO: the
     check must move to p95/SLO (not quiet), not keep the last burn of 0."""
