@@ -34,6 +34,7 @@ from borrowd.controller.policy import (
     derive_budget,
 )
 from borrowd.controller.pools import build_pool_policy
+from borrowd.controller.prom_source import window_seconds
 from borrowd.controller.supervisor import burning
 from borrowd.models.budget import Mode
 from borrowd.models.errors import InputError
@@ -59,9 +60,14 @@ QUIET_LOG = structlog.wrap_logger(
 )
 
 
+def example_config_parsed() -> BorrowdConfig:
+    """`borrowd config example` as the daemon reads it: the built-in defaults."""
+    return config_from_mapping(tomllib.loads(example_config()), {})
+
+
 def example_pool() -> PoolConfig:
     """The pool of `borrowd config example`: the daemon's built-in defaults."""
-    return config_from_mapping(tomllib.loads(example_config()), {}).pools[0]
+    return example_config_parsed().pools[0]
 
 
 def controller_config(law: str, scenario: Scenario,
@@ -198,8 +204,10 @@ class SimControllers:
         else:
             plant = PlantModel.load(plant_path) if plant_path is not None else None
         build_pool_policy(pool, plant)  # a bad setting fails here
+        config = self.config if self.config is not None else example_config_parsed()
         return PolicySpec(name, PRIORITY, batch=True, loop=sim_loop_factory(
-            pool, lambda: build_pool_policy(pool, plant)))
+            pool, lambda: build_pool_policy(pool, plant)),
+            observe_window_s=window_seconds(config.prometheus.window))
 
 
 @dataclass(frozen=True)
@@ -252,6 +260,11 @@ class ExcitationPolicy:
         return Decision(budget=budget, u_law=u, events=())
 
 
+def experiment_window_s() -> float:
+    """The signal window an identification run reads: the daemon's default rules window."""
+    return window_seconds(example_config_parsed().prometheus.window)
+
+
 def run_experiment(scenario: Scenario, experiment: Experiment) -> ExcitationPolicy:
     """Run the excitation on the simulator (interactive load as in the scenario, no burst)."""
     from borrowd.models.sim.run import calibrate_rate_scale, load_inputs
@@ -274,7 +287,8 @@ def run_experiment(scenario: Scenario, experiment: Experiment) -> ExcitationPoli
     sim = Simulation(
         scenario,
         PolicySpec("identify", PRIORITY, batch=True,
-                   loop=sim_loop_factory(pool, lambda: policy)),
+                   loop=sim_loop_factory(pool, lambda: policy),
+                   observe_window_s=experiment_window_s()),
         duration_s=experiment.duration_s,
         seed=experiment.seed,
         trace=trace,
@@ -291,7 +305,7 @@ def identify_on_simulator(
 ) -> PlantModel:
     """Excite the simulated fleet and fit its plant; `UnusableFitError` when it cannot."""
     policy = run_experiment(scenario, experiment)
-    warmup = math.ceil(scenario.observe_window_s / experiment.tick_s) + 1
+    warmup = math.ceil(experiment_window_s() / experiment.tick_s) + 1
     obs = policy.observations[warmup:]
     u = np.asarray(policy.applied[warmup:])
     cfg = policy.config

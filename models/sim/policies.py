@@ -32,7 +32,8 @@ class PolicySpec:
 
     Exactly one of `budget` (published once at the start) and `loop` (the factory of the
     pool's control loop, ticked every `tick_s` against the simulation) is set when `batch`
-    is true.
+    is true. `observe_window_s` is the window the loop's signals are read over when its
+    config names one (the daemon's Prometheus rules window), else the scenario's.
     """
 
     name: str
@@ -40,6 +41,7 @@ class PolicySpec:
     batch: bool
     budget: Budget | None = None
     loop: LoopFactory | None = None
+    observe_window_s: float | None = None  # the loop's signal window; None: the scenario's
 
 
 class ControllerCatalog(Protocol):

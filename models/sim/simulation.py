@@ -466,11 +466,12 @@ class Simulation:
             )
 
     def observe(self, pool: str, now_s: float) -> Observation:
-        """Signals over the last `observe_window_s` seconds ending at `now_s`."""
+        """Signals over the last `observe_window_s` seconds ending at `now_s` (the policy's
+        window when it names one: the daemon config's rules window, as the daemon reads)."""
         if pool != self.scenario.pool:
             return Observation(now_s=now_s, age_s=math.inf)
         rec = self.rec
-        w = self.scenario.observe_window_s
+        w = self.policy.observe_window_s or self.scenario.observe_window_s
         t0 = now_s - w
         # Latency of the replicas batch may use (all unless restricted), as the daemon's
         # rules read the proxy's histograms; success and the rest stay fleet-wide, as there.

@@ -15,6 +15,7 @@ from borrowd.controller.config import load_config
 from borrowd.controller.loop import PoolLoop
 from borrowd.controller.loop_metrics import DaemonMetrics
 from borrowd.controller.pools import build_pool_policy
+from borrowd.controller.prom_source import window_seconds
 from borrowd.models.budget import Budget, Mode
 from borrowd.models.errors import FencedError
 from borrowd.models.protocols import Election, MetricsSource, Store
@@ -33,8 +34,10 @@ SEED = get_scenario("seed")
 
 
 def daemon_loop_run(config_path: Path) -> dict[str, object]:
-    """The summary of `seed` under the daemon's loop for the config's pool, wired here."""
-    pool = dataclasses.replace(load_config(config_path).pools[0], name=SEED.pool)
+    """The summary of `seed` under the daemon's loop for the config's pool, wired here, its
+    signals read over the config's Prometheus rules window as the daemon reads them."""
+    config = load_config(config_path)
+    pool = dataclasses.replace(config.pools[0], name=SEED.pool)
     loops: list[PoolLoop] = []
 
     def loop(source: MetricsSource, store: Store, election: Election) -> PoolLoop:
@@ -47,7 +50,9 @@ def daemon_loop_run(config_path: Path) -> dict[str, object]:
         return built
 
     trace, lengths = load_inputs(SEED)
-    sim = Simulation(SEED, PolicySpec("pi", PRIORITY, batch=True, loop=loop),
+    spec = PolicySpec("pi", PRIORITY, batch=True, loop=loop,
+                      observe_window_s=window_seconds(config.prometheus.window))
+    sim = Simulation(SEED, spec,
                      duration_s=DURATION_S, seed=0, trace=trace, rate_scale=RATE_SCALE,
                      lengths=lengths)
     summary = sim.run().summary()
