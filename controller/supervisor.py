@@ -8,7 +8,10 @@
              one fast burn window (TCP's one multiplicative decrease per round trip); a burn
              right after that window closes. Back-offs change no mode
     ramp     a cold start (slow start): budget = `ramp_min_tokens_per_s`, then
-                 ramp[k+1] = ramp[k] * 2 ** (dt / ramp_doubling_s) + slew * dt
+                 ramp[k+1] = ramp[k] * 2 ** (dt / D) + slew * (ramp_doubling_s / D) * dt
+             with D = `ramp_doubling_s`, or longer: the window a burn took to hold its
+             least sample count, unless that output's p95 is known to be far under its SLO
+             (`ramp_doubling_s`: one doubling per round trip of the sparsest signal)
              until the cap, or until the law, which starts each tick from the ramp applied
              last, asks for less than that (the first sign of congestion, as TCP leaves slow
              start on the first loss), or until a signal leaves its quiet band (the reopen
@@ -250,6 +253,7 @@ class SupervisorDecision:
 
 
 Burns = tuple[BurnReading | None, BurnReading | None]  # (TTFT, ITL); None: not read
+RAMP_KNOWN_SAMPLES = 5.0  # a p95 read from fewer samples says nothing about the ramp's room
 NO_BURNS: Burns = (None, None)
 
 
@@ -464,7 +468,7 @@ def _next(
             reason = "ramp ends: a signal above its reopen threshold"
             return SupervisorState(Mode.OPEN, math.nan, 0.0, reason, False), _handover(
                 u_law, state.ramp_tokens_per_s)
-        return _ramp(config, state, u_law, dt_s, ceiling)
+        return _ramp(config, state, u_law, dt_s, ceiling, ramp_doubling_s(config, obs, slo, burns))
     return replace(state, quiet_since_s=math.nan, revoke=False), max(0.0, u_law)
 
 
@@ -493,8 +497,27 @@ def _handover(u_law: float, ramp_tokens_per_s: float) -> float:
     return u_law if u_law > 0 else ramp_tokens_per_s
 
 
+def ramp_doubling_s(config: SupervisorConfig, obs: Observation, slo: Slo, burns: Burns) -> float:
+    """How often the ramp doubles: `ramp_doubling_s`, or the window a burn needed to hold
+    its least sample count when that is longer and its output's p95 is not known to be
+    under half its SLO. Slow start doubles once per round trip; a sparse signal near its SLO
+    takes a whole window to confirm a level, and a ramp doubling faster than that outruns
+    it (its slew slows by the same ratio)."""
+    doubling = config.ramp_doubling_s
+    for reading, norm in zip(burns, (obs.ttft_norm(slo), obs.itl_norm(slo)), strict=True):
+        if reading is None:
+            continue
+        # Far: a p95 under half the SLO, read from at least a handful of samples (under 5,
+        # nothing is known yet).
+        known_far = reading.slow_samples >= RAMP_KNOWN_SAMPLES and norm < 0.5
+        if not known_far:
+            doubling = max(doubling, reading.window_s)
+    return doubling
+
+
 def _ramp(
-    config: SupervisorConfig, state: SupervisorState, u_law: float, dt_s: float, ceiling: float
+    config: SupervisorConfig, state: SupervisorState, u_law: float, dt_s: float, ceiling: float,
+    doubling_s: float,
 ) -> tuple[SupervisorState, float]:
     """One tick of the slow start (module docstring): `state.ramp_tokens_per_s` is the budget
     applied last tick, which the law's proposal `u_law` started from."""
@@ -503,7 +526,8 @@ def _ramp(
         return SupervisorState(Mode.OPEN, math.nan, 0.0, "law below the ramp", False), u_law
     if u_law <= 0.0:
         return replace(state, reason="ramp held: the law proposes nothing"), applied
-    ramp = applied * 2.0 ** (dt_s / config.ramp_doubling_s) + config.ramp_slew_tokens_per_s2 * dt_s
+    slew = config.ramp_slew_tokens_per_s2 * config.ramp_doubling_s / doubling_s
+    ramp = applied * 2.0 ** (dt_s / doubling_s) + slew * dt_s
     if ramp >= ceiling:
         reason = "ramp reached what batch uses"
         return SupervisorState(Mode.OPEN, math.nan, 0.0, reason, False), min(u_law, ceiling)

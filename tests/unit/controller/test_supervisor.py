@@ -7,7 +7,12 @@ from dataclasses import replace
 
 import pytest
 from borrowd.controller.burn import BurnReading
-from borrowd.controller.supervisor import SupervisorConfig, SupervisorState, supervise
+from borrowd.controller.supervisor import (
+    SupervisorConfig,
+    SupervisorState,
+    ramp_doubling_s,
+    supervise,
+)
 from borrowd.models.budget import Mode
 from borrowd.models.signals import Observation, Slo
 
@@ -278,3 +283,28 @@ def test_a_severe_burn_or_a_hard_limit_closes_at_once(observation, burns):
     back off: they close."""
     decision = supervise(CFG, OPEN, observation, SLO, 8000.0, 1.0, 0.0, burns=burns)
     assert decision.mode == Mode.CLOSED and decision.u == 0.0
+
+
+def _reading(window_s: float, slow_samples: float) -> BurnReading:
+    return BurnReading(0.0, 0.0, 0.5, slow_samples, window_s, 0.0, 0.0, slow_samples)
+
+
+def test_the_ramp_doubles_once_per_window_of_a_sparse_signal_near_its_slo() -> None:
+    """A TTFT burn that needed 60 s to hold its samples, with a p95 near the SLO, paces the
+    ramp to one doubling per 60 s; the same sparse signal far under its SLO (known from 5
+    samples or more) leaves the configured doubling; so do dense signals."""
+    dense = _reading(10.0, 3000.0)
+    near = obs(ttft_p95_s=0.7)
+    far = obs(ttft_p95_s=0.2)
+    assert ramp_doubling_s(CFG, near, SLO, (_reading(60.0, 24.0), dense)) == 60.0
+    assert ramp_doubling_s(CFG, far, SLO, (_reading(60.0, 24.0), dense)) == CFG.ramp_doubling_s
+    assert ramp_doubling_s(CFG, far, SLO, (_reading(60.0, 3.0), dense)) == 60.0
+    assert ramp_doubling_s(CFG, near, SLO, (_reading(8.0, 200.0), dense)) == CFG.ramp_doubling_s
+    config = replace(CFG, ramp_cap_tokens_per_s=1e9)
+    state = SupervisorState(mode=Mode.RAMP, ramp_tokens_per_s=2000.0)
+    sparse = (_reading(60.0, 24.0), dense)
+    paced = supervise(config, state, near, SLO, 1e6, 15.0, 0.0, burns=sparse)
+    free = supervise(config, state, far, SLO, 1e6, 15.0, 0.0, burns=sparse)
+    assert paced.mode == free.mode == Mode.RAMP
+    assert paced.u == pytest.approx(2000.0 * 2 ** 0.25 + 1000.0 * 15.0 / 60.0 * 15.0)
+    assert free.u == pytest.approx(2000.0 * 2 ** (15.0 / 15.0) + 1000.0 * 15.0)
