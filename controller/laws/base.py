@@ -34,7 +34,9 @@ class LawTick:
     `ff_gain` come from the feed-forward wrapper, `gain_ratios` (local/nominal plant gain per
     output) from the gain-scheduling wrapper; without them they are neutral.
     `batch_seqs_cap` is the sequence cap of the budget in force (inf: none known), so a
-    wrapper can tell batch that is held by its caps from batch that has no more work.
+    wrapper can tell batch that is held by its caps from batch that has no more work;
+    `burn_windows_s` how long a window each burn took to hold its least sample count (NaN:
+    not read), i.e. how late that signal is.
     """
 
     obs: Observation
@@ -47,6 +49,7 @@ class LawTick:
     ff_gain: float = 0.0
     gain_ratios: tuple[float, ...] = (1.0,) * len(OUTPUTS)
     batch_seqs_cap: float = math.inf
+    burn_windows_s: tuple[float, ...] = NAN_PER_OUTPUT
 
 
 @dataclass(frozen=True)

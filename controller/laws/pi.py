@@ -11,7 +11,10 @@ setpoint, in units of the SLO):
 External-reset anti-windup: every loop starts from the input actually applied last tick
 (after the min-selector, the clamp and the supervisor), so a loop that is not selected, a
 saturated input or a supervisor cut never winds any loop up. Gains come from a FOPDT model by
-the SIMC or IMC rules (`pi_gains`).
+the SIMC or IMC rules (`pi_gains`). A loop whose burn window had to lengthen to hold enough
+samples (a sparse signal: few first tokens a minute) sees the plant that much later; while
+its p95 is within a factor 2 of the SLO its gains fall by fast_s / window (`delay_scale`,
+as SIMC's kc ~ 1/theta), so it does not chase its own late readings into a limit cycle.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field, replace
 
+from borrowd.controller.burn import BurnConfig
 from borrowd.controller.laws.base import OUTPUTS, LawSettings, LawTick, Proposal, tracked_outputs
 from borrowd.models.errors import ConfigError
 from borrowd.models.plant.fopdt import FopdtFit
@@ -132,6 +136,14 @@ class PiConfig:
         default=10.0,
         metadata={"unit": "s", "help": "window of the fall floor (one decrease per window)"},
     )
+    delay_scaling: bool = field(
+        default=True,
+        metadata={
+            "unit": "bool",
+            "help": "a loop whose burn window lengthened past burn.fast_s (sparse samples) "
+            "runs its gains slower by that ratio",
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -206,6 +218,7 @@ def pi_step(
     du_ff: float = 0.0,
     gain_scales: tuple[float, ...] | None = None,
     decrease_boost: float = 1.0,
+    decrease_scales: tuple[float, ...] | None = None,
 ) -> PiResult:
     """One tick of the min-selected velocity PI (see the module docstring).
 
@@ -217,7 +230,9 @@ def pi_step(
     candidates: list[float] = []
     errors = []
     scales = gain_scales if gain_scales is not None else (1.0,) * len(loops)
-    for loop, y, e_prev, scale in zip(loops, outputs, state.errors, scales, strict=True):
+    down = decrease_scales if decrease_scales is not None else (1.0,) * len(loops)
+    for loop, y, e_prev, scale, slow in zip(loops, outputs, state.errors, scales, down,
+                                             strict=True):
         if not math.isfinite(y):
             errors.append(math.nan)
             candidates.append(math.inf)
@@ -226,7 +241,7 @@ def pi_step(
         de = e - e_prev if math.isfinite(e_prev) else 0.0
         du = scale * (loop.gains.kp * de + loop.gains.ki_per_s * dt_s * e)
         if du < 0:
-            du *= decrease_boost
+            du *= decrease_boost * slow
         errors.append(e)
         candidates.append(u_applied + du + du_ff)
     best = min(candidates, default=math.inf)
@@ -237,6 +252,16 @@ def pi_step(
     return PiResult(
         u=min(max(u, u_min), u_max), state=PiState(errors=tuple(errors)), selected=selected
     )
+
+
+def delay_scale(window_s: float, fast_s: float, enabled: bool) -> float:
+    """How much slower a loop runs when its burn window had to lengthen to `window_s` to
+    hold enough samples: the window is the loop's dead time, and SIMC's gain falls with it
+    (kc ~ 1/theta), so this is fast_s / window_s (<= 1), multiplying both gains. 1 when the
+    window is unknown or no longer than `fast_s`."""
+    if not enabled or not math.isfinite(window_s) or window_s <= fast_s or fast_s <= 0:
+        return 1.0
+    return fast_s / window_s
 
 
 def fall_floor(recent_applied_tokens_per_s: list[float], floor_frac: float) -> float:
@@ -277,6 +302,7 @@ class PiLaw:
             loops.append(PiLoop(name, setpoints[name], gains))
         self.loops = tuple(loops)
         self.burn_setpoints = (cfg.setpoint_ttft_burn, cfg.setpoint_itl_burn)
+        self.fast_s = settings.table("burn", BurnConfig).fast_s
         self.pi_state = PiState.initial(len(OUTPUTS))
         self.recent_u: deque[tuple[float, float]] = deque()
 
@@ -300,6 +326,8 @@ class PiLaw:
                                                                    cfg.fall_window_s):
             self.recent_u.popleft()
         u_recent = max(u for t, u in self.recent_u if t >= now_s - cfg.gain_window_s)
+        lateness = tuple(delay_scale(w, self.fast_s, cfg.delay_scaling and y >= 0.5)
+                         for w, y in zip(tick.burn_windows_s, tick.ys, strict=True))
         result = pi_step(
             loops,
             self.pi_state,
@@ -310,8 +338,8 @@ class PiLaw:
             self.u_max_tokens_per_s,
             du_ff=tick.du_ff_tokens_per_s,
             gain_scales=tuple(
-                (self.config.operating_scale(u_recent) if scaled else 1.0) / r
-                for r, scaled in zip(tick.gain_ratios, self.scaled, strict=True)
+                (self.config.operating_scale(u_recent) if scaled else 1.0) * late / r
+                for r, scaled, late in zip(tick.gain_ratios, self.scaled, lateness, strict=True)
             ),
             decrease_boost=self.config.decrease_boost,
         )

@@ -66,7 +66,10 @@ class Smoothed:
         obs = self._smooth(tick.obs, tick.dt_s)
         ys = (obs.ttft_norm(cfg.slo), obs.itl_norm(cfg.slo))
         burns = self.burns if cfg.control_on_burn else NAN_PER_OUTPUT
-        return self.inner.propose(replace(tick, obs=obs, ys=ys, burns=burns))
+        windows = tuple(r.window_s if r is not None and cfg.control_on_burn else math.nan
+                        for r in self.readings)
+        return self.inner.propose(replace(tick, obs=obs, ys=ys, burns=burns,
+                                          burn_windows_s=windows))
 
     def applied(self, tick: LawTick, u_tokens_per_s: float) -> None:
         """Pass the applied budget on."""

@@ -260,3 +260,24 @@ def test_pi_fall_floor_lets_a_feedforward_step_through():
     law.propose(burn_tick(40_000.0, 0.9, 0.0))
     tick = replace(burn_tick(40_000.0, 0.9, 1.0), du_ff_tokens_per_s=-30_000.0)
     assert law.propose(tick).u_tokens_per_s == pytest.approx(10_000.0)
+
+
+@pytest.mark.parametrize(
+    ("window_s", "itl_norm", "expected_scale"),
+    [(40.0, 0.8, 0.25), (10.0, 0.8, 1.0), (40.0, 0.3, 1.0), (math.nan, 0.8, 1.0)],
+    ids=["late-and-near-runs-slower", "on-time", "late-but-far", "window-unknown"],
+)
+def test_pi_loop_on_a_late_signal_near_its_slo_runs_slower(window_s, itl_norm, expected_scale):
+    """A burn whose window had to lengthen to 40 s (fast window 10 s) to hold its samples is
+    a loop with four times the dead time: near its SLO its step is a quarter as large; an
+    on-time signal, or one far under its SLO, keeps its gains."""
+    config = PiConfig(setpoint_itl_burn=0.9, gain_reference_tokens_per_s=0.0,
+                      fall_floor_frac=0.0)
+
+    def step(windows: tuple[float, float]) -> float:
+        law = PiLaw(LawSettings(1.0, 200_000.0, None, {"pi": config}))
+        tick = LawTick(Observation(now_s=0.0, age_s=0.5), (math.nan, itl_norm), 40_000.0, 1.0,
+                       burns=(math.nan, 0.4), burn_windows_s=windows)
+        return law.propose(tick).u_tokens_per_s - 40_000.0
+
+    assert step((math.nan, window_s)) == pytest.approx(expected_scale * step((math.nan, 10.0)))
