@@ -1,13 +1,19 @@
 """Engine-side enforcement arithmetic, apart from vLLM: per-step batch allowance and step timing.
 
     batch_tokens_per_step = 0                                   no usable record, or it
-                                                                admits no batch work
+                                                                admits no batch work and
+                                                                keeps no caps (revoked)
+                          = floor                               it admits no new batch work
+                                                                but keeps its caps (drain)
                           = max(floor, batch_tokens_per_s * recent_step_s)   otherwise
 
 A running batch request thus always gets at least `floor` tokens while the budget is open
-(never starved into holding its KV forever), and none once the budget is zero, missing or
-expired. `adapters.vllm_plugin` applies it inside vLLM's scheduler and the simulator's
-engine applies it per replica.
+or draining (never starved into holding its KV forever), and none once the record is
+revoked, missing or expired. A closed record that keeps its caps asks the work in flight to
+drain: given no tokens it would sit in the engine holding its KV and, to a router that
+balances outstanding work, making the engine look busy for as long as the pool stays
+closed (an operator's stop never drains). `adapters.vllm_plugin` applies it inside vLLM's
+scheduler and the simulator's engine applies it per replica.
 
 The budget record is the pool's; each engine enforces its share (`engine_share`: rate and
 caps divided by the engines serving the pool). Applying the whole pool rate on every engine
@@ -21,7 +27,7 @@ import math
 from collections import deque
 from typing import Protocol
 
-from borrowd.models.budget import Budget
+from borrowd.models.budget import Budget, Mode
 
 DEFAULT_MIN_BATCH_TOKENS_PER_STEP = 16  # one KV block of the default block size
 INITIAL_STEP_S = 0.03  # until a step was timed: a decode step of an 8B model on an H100
@@ -62,16 +68,30 @@ def engine_share(budget: Budget | None, engines: int) -> Budget | None:
     )
 
 
+def draining(budget: Budget | None) -> bool:
+    """True when `budget` admits no new batch work but keeps its caps: what is in flight
+    finishes (a cut that does not revoke). An operator's stop never drains."""
+    return (
+        budget is not None
+        and not budget.admits_batch
+        and budget.max_batch_seqs > 0
+        and budget.mode != Mode.STOPPED
+    )
+
+
 def batch_tokens_per_step(budget: Budget | None, recent_step_s: float, floor_tokens: int) -> int:
     """Batch tokens one engine step may schedule under `budget` (see the module docstring)."""
-    if budget is None or not budget.admits_batch:
+    if budget is None:
         return 0
+    if not budget.admits_batch:
+        return floor_tokens if draining(budget) else 0
     return max(floor_tokens, math.floor(budget.batch_tokens_per_s * recent_step_s))
 
 
 def batch_seq_cap(budget: Budget | None) -> int:
-    """Batch sequences allowed to run at once: 0 without a record that admits batch work."""
-    if budget is None or not budget.admits_batch:
+    """Batch sequences allowed to run at once: the record's cap while it admits batch work
+    or drains it, else 0."""
+    if budget is None or not (budget.admits_batch or draining(budget)):
         return 0
     return budget.max_batch_seqs
 

@@ -17,7 +17,7 @@ from borrowd.adapters.engine_budget import PluginConfig, StaticBudgetSource
 from borrowd.adapters.redis_conn import connect
 from borrowd.adapters.store import BudgetStore
 from borrowd.adapters.vllm_plugin import BorrowdAsyncScheduler, BorrowdScheduler, check_vllm_hook
-from borrowd.models.budget import Budget, Mode
+from borrowd.models.budget import Budget, Mode, closed_budget
 
 from tests.support import vllm_harness as h
 from tests.support.servers import ServerProcess, wait_until
@@ -135,14 +135,22 @@ def test_expired_record_means_zero_batch_tokens(store: BudgetStore) -> None:
 
 
 def test_cut_is_pushed_within_a_step(store: BudgetStore) -> None:
-    """A closed record reaches the plugin by pub/sub (polls are 30 s apart) and stops batch."""
+    """A closed record reaches the plugin by pub/sub (polls are 30 s apart): one that keeps
+    its caps lets the batch in flight drain at the step floor (the gate admits nothing new;
+    what it admitted before ends); a revoking one (caps zero) stops batch."""
     _publish(store, _budget(20_000.0))
     sched = _plugin()
     h.add(sched, "b0", 32768, 16, priority=h.BATCH_PRIORITY)
-    assert _batch_tokens(h.step(sched)) > 0
+    assert _batch_tokens(h.step(sched)) > 16
     _publish(store, _budget(0.0, mode=Mode.CLOSED))
     wait_until(lambda: sched.budget_source.current(time.time()).mode == Mode.CLOSED, 2.0,
                "the pushed cut")
+    steps = [h.step(sched) for _ in range(3)]
+    assert all(0 < _batch_tokens(step) <= sched.plugin_config.min_batch_tokens_per_step
+               for step in steps)
+    _publish(store, closed_budget(POOL, Mode.CLOSED, "revoked"))
+    wait_until(lambda: sched.budget_source.current(time.time()).max_batch_seqs == 0, 2.0,
+               "the pushed revocation")
     assert _batch_tokens(h.step(sched)) == 0
 
 

@@ -26,22 +26,28 @@ def _budget(tokens_per_s: float, seqs: int = 4, mode: Mode = Mode.OPEN) -> Budge
     (None, 0.05, 0),
     (closed_budget("p", Mode.CLOSED, "slo"), 0.05, 0),
     (_budget(20000.0, mode=Mode.STOPPED), 0.05, 0),
-    (_budget(0.0), 0.05, 0),
+    (_budget(0.0), 0.05, 16),
+    (_budget(0.0, mode=Mode.CLOSED), 0.05, 16),
     (_budget(20000.0, seqs=0), 0.05, 0),
     (_budget(20000.0), 0.05, 1000),
     (_budget(20000.0, mode=Mode.RAMP), 0.1, 2000),
     (_budget(10.0), 0.05, 16),
-], ids=["no-record", "closed", "stopped", "zero-rate", "zero-seqs", "open", "ramp", "floor"])
+], ids=["no-record", "closed", "stopped", "zero-rate-drains", "closed-keeping-caps-drains",
+        "zero-seqs", "open", "ramp", "floor"])
 def test_batch_tokens_per_step(budget: Budget | None, step_s: float, expected: int) -> None:
-    """Rate times step time, floored while open, zero without a record admitting batch."""
+    """Rate times step time, floored while open; the floor while a record that admits nothing
+    new keeps its caps (in-flight work drains); zero without a record, once revoked (caps
+    zero) or stopped by the operator."""
     assert batch_tokens_per_step(budget, step_s, floor_tokens=16) == expected
 
 
 @pytest.mark.parametrize(("budget", "expected"), [
     (None, 0), (closed_budget("p", Mode.FAILSAFE, "stale"), 0), (_budget(100.0, seqs=3), 3),
-], ids=["no-record", "failsafe", "open"])
+    (_budget(0.0, seqs=3, mode=Mode.CLOSED), 3), (_budget(100.0, seqs=3, mode=Mode.STOPPED), 0),
+], ids=["no-record", "failsafe", "open", "draining", "stopped"])
 def test_batch_seq_cap(budget: Budget | None, expected: int) -> None:
-    """The running batch sequence cap is the record's, or zero when batch is not admitted."""
+    """The running batch sequence cap is the record's while it admits or drains batch, else
+    zero."""
     assert batch_seq_cap(budget) == expected
 
 
