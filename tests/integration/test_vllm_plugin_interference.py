@@ -118,15 +118,22 @@ def test_without_batch_nothing_is_attributed_to_batch() -> None:
     assert counts["wait_clean_s"] > 0
 
 
-def test_plugin_serves_its_series_on_metrics_listen() -> None:
-    """`BORROWD_METRICS_LISTEN` makes the engine core serve the interference series."""
+def _served_after_three_steps(slo_itl_s: tuple[float, ...] = ()) -> str:
+    """The /metrics text a plugin serving on a free port (with these ITL SLO bounds) gives
+    after three interactive steps."""
     port = free_port()
-    sched = _plugin(StaticBudgetSource(_open_budget()), listen=("127.0.0.1", port))
+    sched = _plugin(StaticBudgetSource(_open_budget()), listen=("127.0.0.1", port),
+                    slo_itl_s=slo_itl_s)
     h.add(sched, "i0", 100, 4)
     for _ in range(3):
         h.step(sched)
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-        text = resp.read().decode()
+        return resp.read().decode()
+
+
+def test_plugin_serves_its_series_on_metrics_listen() -> None:
+    """`BORROWD_METRICS_LISTEN` makes the engine core serve the interference series."""
+    text = _served_after_three_steps()
     assert f'{ITL_METRIC}_count{{batch_step="false",engine="0"' in text
     assert f"{WAIT_METRIC}_total" in text
 
@@ -134,15 +141,8 @@ def test_plugin_serves_its_series_on_metrics_listen() -> None:
 def test_plugin_gap_histogram_has_a_bound_at_the_pools_itl_slo() -> None:
     """With `BORROWD_SLO_ITL_S` the served gap histogram has a bucket at the pool's ITL SLO
     (7.5 ms, below vLLM's smallest ITL bound), where the daemon reads the burn."""
-    port = free_port()
-    sched = _plugin(StaticBudgetSource(_open_budget()), listen=("127.0.0.1", port),
-                    slo_itl_s=PluginConfig.from_env(
-                        {"BORROWD_POOL": POOL, "BORROWD_SLO_ITL_S": "0.0075"}).slo_itl_s)
-    h.add(sched, "i0", 100, 4)
-    for _ in range(3):
-        h.step(sched)
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-        text = resp.read().decode()
+    text = _served_after_three_steps(slo_itl_s=PluginConfig.from_env(
+        {"BORROWD_POOL": POOL, "BORROWD_SLO_ITL_S": "0.0075"}).slo_itl_s)
     assert f'{ITL_METRIC}_bucket{{batch_step="false",engine="0",le="0.0075"' in text
     assert f'{ITL_METRIC}_bucket{{batch_step="false",engine="0",le="0.01"' in text
 
