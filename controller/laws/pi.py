@@ -218,7 +218,6 @@ def pi_step(
     du_ff: float = 0.0,
     gain_scales: tuple[float, ...] | None = None,
     decrease_boost: float = 1.0,
-    decrease_scales: tuple[float, ...] | None = None,
 ) -> PiResult:
     """One tick of the min-selected velocity PI (see the module docstring).
 
@@ -230,9 +229,7 @@ def pi_step(
     candidates: list[float] = []
     errors = []
     scales = gain_scales if gain_scales is not None else (1.0,) * len(loops)
-    down = decrease_scales if decrease_scales is not None else (1.0,) * len(loops)
-    for loop, y, e_prev, scale, slow in zip(loops, outputs, state.errors, scales, down,
-                                             strict=True):
+    for loop, y, e_prev, scale in zip(loops, outputs, state.errors, scales, strict=True):
         if not math.isfinite(y):
             errors.append(math.nan)
             candidates.append(math.inf)
@@ -241,7 +238,7 @@ def pi_step(
         de = e - e_prev if math.isfinite(e_prev) else 0.0
         du = scale * (loop.gains.kp * de + loop.gains.ki_per_s * dt_s * e)
         if du < 0:
-            du *= decrease_boost * slow
+            du *= decrease_boost
         errors.append(e)
         candidates.append(u_applied + du + du_ff)
     best = min(candidates, default=math.inf)
