@@ -26,6 +26,9 @@ from borrowd.models.errors import ConfigError
 from borrowd.models.signals import SLO_QUANTILE
 
 ALLOWED_SHARE = 1.0 - SLO_QUANTILE
+# A p95 at or above this share of its SLO is near it: there a late (sparse) burn paces
+# the cold start (`supervisor.ramp_doubling_s`) and slows the PI (`pi.delay_scale`).
+NEAR_SLO_NORM = 0.5
 
 
 @dataclass(frozen=True)

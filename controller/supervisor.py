@@ -48,7 +48,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from borrowd.controller.burn import BurnReading
+from borrowd.controller.burn import NEAR_SLO_NORM, BurnReading
 from borrowd.models.budget import Mode
 from borrowd.models.errors import ConfigError
 from borrowd.models.signals import Observation, Slo
@@ -509,7 +509,7 @@ def ramp_doubling_s(config: SupervisorConfig, obs: Observation, slo: Slo, burns:
             continue
         # Far: a p95 under half the SLO, read from at least a handful of samples (under 5,
         # nothing is known yet).
-        known_far = reading.slow_samples >= RAMP_KNOWN_SAMPLES and norm < 0.5
+        known_far = reading.slow_samples >= RAMP_KNOWN_SAMPLES and norm < NEAR_SLO_NORM
         if not known_far:
             doubling = max(doubling, reading.window_s)
     return doubling

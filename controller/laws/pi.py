@@ -23,7 +23,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field, replace
 
-from borrowd.controller.burn import BurnConfig
+from borrowd.controller.burn import NEAR_SLO_NORM, BurnConfig
 from borrowd.controller.laws.base import OUTPUTS, LawSettings, LawTick, Proposal, tracked_outputs
 from borrowd.models.errors import ConfigError
 from borrowd.models.plant.fopdt import FopdtFit
@@ -323,7 +323,7 @@ class PiLaw:
                                                                    cfg.fall_window_s):
             self.recent_u.popleft()
         u_recent = max(u for t, u in self.recent_u if t >= now_s - cfg.gain_window_s)
-        lateness = tuple(delay_scale(w, self.fast_s, cfg.delay_scaling and y >= 0.5)
+        lateness = tuple(delay_scale(w, self.fast_s, cfg.delay_scaling and y >= NEAR_SLO_NORM)
                          for w, y in zip(tick.burn_windows_s, tick.ys, strict=True))
         result = pi_step(
             loops,
