@@ -295,12 +295,15 @@ def run_burst_drill(client: redis.Redis, prom: PromClient, pool: str, config: Lo
             peaks = [max(peaks[0], _finite(p95s.ttft_p95_s)),
                      max(peaks[1], _finite(p95s.itl_p95_s))]
             ended_at_s = started_at_s + config.duration_s
-            if (p95s.evaluated_at_s >= ended_at_s and not p95s.ttft_p95_s > slo_ttft_s
-                    and not p95s.itl_p95_s > slo_itl_s):
+            if (restored_s is None and p95s.evaluated_at_s >= ended_at_s
+                    and not p95s.ttft_p95_s > slo_ttft_s and not p95s.itl_p95_s > slo_itl_s):
                 restored_s = p95s.evaluated_at_s - ended_at_s
                 report(f"interactive p95s within SLO {restored_s:.3f} s after the burst ended "
                        f"(TTFT {p95s.ttft_p95_s:.3g} s, ITL {p95s.itl_p95_s:.3g} s)")
-                break
+        # Restored SLOs end the watch only once the cut's drain is timed too: a cut by the
+        # law (admission stopped, nothing revoked) drains as its in-flight requests finish.
+        if restored_s is not None and (cut_s is None or drained_s is not None):
+            break
         time.sleep(POLL_GATE_S)
     thread.join(timeout=config.request_timeout_s)
     failure = next((r for r in records if isinstance(r, Exception)), None)
