@@ -18,7 +18,8 @@ own time, so the data's age is measured on Prometheus's clock, not the daemon's.
 empty, NaN or impossible answer (a negative latency, a ratio above 1) leaves its field NaN
 (the supervisor reads that as not safe) and is counted; a batch share that is NaN (no gap
 above the SLO, no wait: nothing to attribute) is a reading, NaN without an error. Also here:
-range queries over recorded series, for identification.
+range queries over recorded series, for identification (`identification_history`: the
+observations the loop would have read, the burn shares by the same bound queries).
 """
 
 from __future__ import annotations
@@ -646,6 +647,22 @@ def query_range(
 
     Raises InputError naming the expression when Prometheus fails or returns no series.
     """
+    result = _range_answer(client, expr, start_s=start_s, end_s=end_s, step_s=step_s,
+                           timeout_s=timeout_s)
+    by_time: dict[float, float] = {}
+    for series in result:
+        for stamp, text in series.get("values", []):
+            value = float(text)
+            if not math.isnan(value):
+                by_time[float(stamp)] = max(value, by_time.get(float(stamp), -math.inf))
+    times = np.array(sorted(by_time), dtype=float)
+    return RangeSeries(times_s=times, values=np.array([by_time[t] for t in times], dtype=float))
+
+
+def _range_answer(client: PromClient, expr: str, *, start_s: float, end_s: float,
+                  step_s: float, timeout_s: float) -> list:
+    """The series of a range query; InputError naming the expression when Prometheus fails
+    or returns none."""
     if not (end_s > start_s and step_s > 0):
         raise InputError(
             f"range query needs end > start and step > 0, got {start_s}, {end_s}, {step_s}"
@@ -663,14 +680,26 @@ def query_range(
         raise InputError(f"range query {expr!r} failed: {exc}") from None
     if not result:
         raise InputError(f"range query {expr!r} returned no series between {start_s} and {end_s}")
-    by_time: dict[float, float] = {}
-    for series in result:
+    return list(result)
+
+
+def range_parts(client: PromClient, expr: str, *, start_s: float, end_s: float,
+                step_s: float, timeout_s: float = 10.0) -> dict[float, dict[str, float]]:
+    """A `BoundQuery` expression over a range: per sample time, the value of each `part`
+    (NaN samples and series without a part left out)."""
+    by_time: dict[float, dict[str, float]] = {}
+    for series in _range_answer(client, expr, start_s=start_s, end_s=end_s, step_s=step_s,
+                                timeout_s=timeout_s):
+        labels = series.get("metric")
+        part = labels.get("part") if isinstance(labels, Mapping) else None
+        if not isinstance(part, str):
+            continue
         for stamp, text in series.get("values", []):
-            value = float(text)
-            if not math.isnan(value):
-                by_time[float(stamp)] = max(value, by_time.get(float(stamp), -math.inf))
-    times = np.array(sorted(by_time), dtype=float)
-    return RangeSeries(times_s=times, values=np.array([by_time[t] for t in times], dtype=float))
+            with contextlib.suppress(TypeError, ValueError):
+                value = float(text)
+                if math.isfinite(value):
+                    by_time.setdefault(float(stamp), {})[part] = value
+    return by_time
 
 
 def identification_queries(pool: str, window: str) -> dict[str, str]:
@@ -721,3 +750,83 @@ def identification_series(
         index = {t: i for i, t in enumerate(item.times_s.tolist())}
         aligned[name] = np.array([item.values[index[t]] for t in times], dtype=float)
     return aligned
+
+
+@dataclass(frozen=True)
+class History:
+    """A pool's recorded history at the sample times its series share: the budget the leader
+    published and, at each time, the `Observation` the loop would have read (p95s, the
+    interactive token rate and, when read, the SLO burn shares at the pool's own SLOs with
+    their sample counts and batch's share)."""
+
+    times_s: np.ndarray
+    budget_tokens_per_s: np.ndarray
+    observations: tuple[Observation, ...]
+
+
+def identification_history(
+    client: PromClient,
+    pool: str,
+    slo: Slo,
+    *,
+    start_s: float,
+    end_s: float,
+    step_s: float,
+    window: str,
+    burn: bool,
+) -> History:
+    """`pool`'s history over [start_s, end_s] as the loop reads it, for identification on
+    the signal the law tracks. With `burn`, the SLO burn shares are read at `slo` by the
+    daemon's own `bound_queries` and `read_bound`, over a range.
+
+    Raises InputError when a signal is missing, and (with `burn`) when no interactive share
+    above an SLO could be read anywhere in the range (every series lacks the SLO's bucket:
+    the reason names the metric and the flag that adds it)."""
+    series = identification_series(client, pool, start_s=start_s, end_s=end_s, step_s=step_s,
+                                   window=window)
+    times = series["times_s"]
+    window_s = window_seconds(window)
+    values: list[dict[str, float]] = [
+        {"ttft_p95_s": float(series["ttft_p95_s"][i]),
+         "itl_p95_s": float(series["itl_p95_s"][i]),
+         "interactive_tokens_per_s": float(series["interactive_tokens_per_s"][i])}
+        for i in range(times.size)
+    ]
+    if burn:
+        for query in bound_queries(pool, window, slo):
+            _read_bound_history(client, query, times, values, window_s,
+                                start_s=start_s, end_s=end_s, step_s=step_s)
+    observations = tuple(Observation(now_s=float(t), age_s=0.0, window_s=window_s, **v)
+                         for t, v in zip(times, values, strict=True))
+    return History(times, series["budget_tokens_per_s"], observations)
+
+
+def _read_bound_history(client: PromClient, query: BoundQuery, times: np.ndarray,
+                        values: list[dict[str, float]], window_s: float, *, start_s: float,
+                        end_s: float, step_s: float) -> None:
+    """Fill `query`'s share (and sample count) into `values` at each of `times`; a time whose
+    parts are missing or unreadable keeps NaN. InputError when an interactive share is read
+    nowhere; batch's share is optional (NaN: not attributed)."""
+    try:
+        by_time = range_parts(client, query.expr, start_s=start_s, end_s=end_s, step_s=step_s)
+    except InputError:
+        if query.batch:
+            return
+        raise
+    missing = ""
+    read = 0
+    for t, row in zip(times.tolist(), values, strict=True):
+        try:
+            reading = read_bound(query, by_time.get(t, {}), window_s)
+        except _QueryFailed:
+            continue
+        if reading.missing:
+            missing = missing or reading.missing
+            continue
+        row[query.field] = reading.share
+        if query.samples_field is not None:
+            row[query.samples_field] = reading.samples
+        read += 1
+    if read == 0 and not query.batch:
+        raise InputError(missing or f"{query.metric}: no share above {query.bound_s:g} s could "
+                                    "be read in the range")

@@ -1,7 +1,8 @@
 """`borrowd identify` and `borrowd tune`: fit the plant, then derive and check PI gains.
 
     borrowd identify --scenario seed --out plant.json
-    borrowd identify --prometheus URL --pool P --start T0 --end T1 --out plant.json
+    borrowd identify --prometheus URL --pool P --start T0 --end T1 [--config borrowd.toml]
+                     --out plant.json
     borrowd tune --plant plant.json [--method simc|imc] [--tc S] [--plot step.png]
                  [--write-config FILE]
 """
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 from borrowd.adapters.redact import redact_url
-from borrowd.controller.policy import ControllerConfig, smooth_step
+from borrowd.controller.policy import ControllerConfig
 from borrowd.models.errors import InputError
 from borrowd.models.plant.model import FitCriteria, PlantModel, identify_plant
 
@@ -40,7 +41,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ident.add_argument("--start", help="range start: unix seconds or ISO 8601 (Prometheus)")
     ident.add_argument("--end", help="range end: unix seconds or ISO 8601 (Prometheus)")
     ident.add_argument("--step", type=float, default=1.0, help="sample period, s (default 1)")
-    ident.add_argument("--window", default="15s", help="recording-rule window (default 15s)")
+    ident.add_argument("--config", type=Path, metavar="FILE",
+                       help="the daemon's config (TOML): the pool's SLOs, burn settings, law "
+                            "and rules window are read from it (Prometheus; default: built-in "
+                            "defaults)")
+    ident.add_argument("--window", help="recording-rule window (default: the config's "
+                                        "prometheus.window, else 15s)")
     ident.add_argument("--u-low", type=float, default=40_000.0, help="PRBS low budget, tokens/s")
     ident.add_argument("--u-high", type=float, default=80_000.0, help="PRBS high budget, tokens/s")
     ident.add_argument("--duration", type=float, default=900.0, help="experiment length, s")
@@ -115,39 +121,47 @@ def run_identify(args: argparse.Namespace) -> int:
 
 
 def identify_from_prometheus(args: argparse.Namespace, criteria: FitCriteria) -> PlantModel:
-    """Fit from recorded range series of the pool (budget, p95s, interactive token rate)."""
-    from borrowd.controller.prom_source import connect_prometheus, identification_series
+    """Fit from the pool's recorded history, on the signal its law tracks (the SLO burn read
+    at the pool's own SLOs, or p95/SLO), computed as the loop computes it (`tracked_series`)."""
+    from borrowd.controller.identify import tracked_series, tracked_signal
+    from borrowd.controller.prom_source import connect_prometheus, identification_history
 
     if not args.pool:
         raise InputError("--pool is required with --prometheus")
     start_s, end_s = parse_time_s(args.start, "start"), parse_time_s(args.end, "end")
+    config, window = pool_controller(args.config, args.pool)
+    window = args.window or window
     client = connect_prometheus(args.prometheus, 10.0)
-    series = identification_series(
-        client, args.pool, start_s=start_s, end_s=end_s, step_s=args.step, window=args.window
+    history = identification_history(
+        client, args.pool, config.slo(), start_s=start_s, end_s=end_s, step_s=args.step,
+        window=window, burn=config.control_on_burn,
     )
-    config = ControllerConfig()
-    slo = config.slo()
-    outputs = {}
-    for name, key, scale in (
-        ("ttft", "ttft_p95_s", slo.ttft_p95_s),
-        ("itl", "itl_p95_s", slo.itl_p95_s),
-    ):
-        prev, smoothed = math.nan, []
-        for raw in series[key] / scale:
-            prev = smooth_step(prev, float(raw), args.step, config.filter_rise_s,
-                               config.filter_fall_s)
-            smoothed.append(prev)
-        outputs[name] = np.array(smoothed)
-    rates = series["interactive_tokens_per_s"]
+    rates = np.array([o.interactive_tokens_per_s for o in history.observations])
     return identify_plant(
-        series["budget_tokens_per_s"],
-        outputs,
+        history.budget_tokens_per_s,
+        tracked_series(history.observations, config, args.step),
         args.step,
         interactive_tokens_per_s=float(np.nanmean(rates)),
         source=f"prometheus {redact_url(args.prometheus)} pool {args.pool} "
                f"{start_s:.0f}-{end_s:.0f}",
         criteria=criteria,
+        signal=tracked_signal(config),
     )
+
+
+def pool_controller(path: Path | None, pool: str) -> tuple[ControllerConfig, str]:
+    """The controller config of `pool` in the daemon config at `path` and its rules window
+    (no path: the defaults and 15s); InputError when the pool is not in the file."""
+    if path is None:
+        return ControllerConfig(), "15s"
+    from borrowd.controller.config import load_config
+
+    loaded = load_config(path)
+    for candidate in loaded.pools:
+        if candidate.name == pool:
+            return candidate.controller, loaded.prometheus.window
+    names = ", ".join(p.name for p in loaded.pools)
+    raise InputError(f"--pool {pool!r} is not in {path} (its pools: {names})")
 
 
 def run_tune(args: argparse.Namespace) -> int:

@@ -23,7 +23,14 @@ from wsgiref.simple_server import WSGIServer
 import pytest
 from borrowd.adapters.interference import InterferenceMetrics
 from borrowd.adapters.proxy.metrics import ProxyMetrics
-from borrowd.controller.prom_source import MISSING_BOUND, PrometheusSource, connect_prometheus
+from borrowd.controller.prom_source import (
+    MISSING_BOUND,
+    PrometheusSource,
+    bound_queries,
+    connect_prometheus,
+    range_parts,
+    read_bound,
+)
 from borrowd.models.signals import Slo
 from prometheus_client import CollectorRegistry, start_http_server
 
@@ -139,6 +146,21 @@ def test_burn_is_read_at_the_pools_own_slo(fed, window: str) -> None:
     assert obs.itl_over_slo_batch_frac == pytest.approx(0.75, rel=1e-6)
     assert 1000.0 <= obs.itl_samples <= 1150.0
     assert 50.0 <= obs.ttft_samples <= 57.5
+
+
+def test_the_burn_history_reads_the_same_shares_over_a_range(fed) -> None:
+    """`borrowd identify --prometheus` reads the burn history with the daemon's own bound
+    queries over a range (`range_parts`, then `read_bound`): its last sample reads the
+    shares fed, as the instant read does."""
+    prometheus, _, _ = fed
+    client = connect_prometheus(prometheus.extra["url"], 5.0)
+    now = time.time()
+    expected = {"itl_over_slo_frac": 0.08, "ttft_over_slo_frac": 0.10,
+                "itl_over_slo_batch_frac": 0.75}
+    for query in bound_queries("chat", "1m", SLO):
+        by_time = range_parts(client, query.expr, start_s=now - 3, end_s=now, step_s=1)
+        reading = read_bound(query, by_time[max(by_time)], 60.0)
+        assert reading.share == pytest.approx(expected[query.field], rel=1e-6), query.field
 
 
 def test_the_default_slo_rule_misses_those_gaps(fed) -> None:

@@ -6,6 +6,7 @@ import math
 import tomllib
 from pathlib import Path
 
+import numpy as np
 import pytest
 from borrowd.controller.cli import main
 from borrowd.models.plant.excitation import prbs
@@ -100,20 +101,78 @@ def test_identify_refuses_a_flat_experiment(tmp_path, capsys):
     assert not out.exists()
 
 
-def test_identify_from_prometheus_keeps_no_password(tmp_path, capsys, monkeypatch):
-    """A Prometheus URL with basic auth is neither printed nor written into plant.json."""
-    import borrowd.controller.prom_source as prom_source
+def _recorded_history(slo_itl_s: float, burn_share: bool):
+    """A recorded history whose ITL responds to a PRBS budget as a FOPDT: as the p95 (over
+    `slo_itl_s`) or as the share of gaps above the SLO (1000 gaps a window)."""
+    from borrowd.controller.prom_source import History
+    from borrowd.models.signals import Observation
 
     u = prbs(0.0, 40_000.0, 600.0, 1.0, 15.0, seed=3)
     y = simulate_fopdt(u, a=math.exp(-1 / 5.0), gain=1e-5, dead_steps=2, u0=0.0, y0=0.3,
                        y_init=0.3)
-    series = {"budget_tokens_per_s": u, "ttft_p95_s": y, "itl_p95_s": 0.05 * (0.5 * y + 0.1),
-              "interactive_tokens_per_s": u * 0 + 1000.0}
+    times = np.arange(u.size, dtype=float)
+    observations = tuple(
+        Observation(now_s=float(t), age_s=0.0, window_s=15.0, ttft_p95_s=float(v),
+                    itl_p95_s=slo_itl_s * (0.5 * float(v) + 0.1),
+                    interactive_tokens_per_s=1000.0,
+                    itl_over_slo_frac=0.01 + 0.2 * float(v) if burn_share else math.nan,
+                    itl_samples=1000.0 if burn_share else math.nan,
+                    ttft_over_slo_frac=0.0 if burn_share else math.nan,
+                    ttft_samples=100.0 if burn_share else math.nan)
+        for t, v in zip(times, y, strict=True))
+    return History(times, u, observations)
+
+
+def test_identify_from_prometheus_keeps_no_password(tmp_path, capsys, monkeypatch):
+    """A Prometheus URL with basic auth is neither printed nor written into plant.json."""
+    import borrowd.controller.prom_source as prom_source
+
+    history = _recorded_history(0.05, burn_share=True)
     monkeypatch.setattr(prom_source, "connect_prometheus", lambda url, timeout_s: object())
-    monkeypatch.setattr(prom_source, "identification_series", lambda *a, **k: series)
+    monkeypatch.setattr(prom_source, "identification_history", lambda *a, **k: history)
     out = tmp_path / "plant.json"
     main(["identify", "--prometheus", "http://ops:hunter2@prom:9090", "--pool", "chat",
           "--start", "0", "--end", "600", "--out", str(out), "--min-r2", "0"])
     captured = capsys.readouterr()
     assert "hunter2" not in captured.out + captured.err + out.read_text()
     assert "ops:***@prom:9090" in out.read_text()
+
+
+@pytest.mark.parametrize("on_burn", [True, False])
+def test_identify_from_prometheus_fits_what_the_pools_law_tracks(tmp_path, capsys, monkeypatch,
+                                                                  on_burn: bool):
+    """With the daemon's config, the history is read at the pool's own SLOs and rules window,
+    and the plant is fitted on the signal its law tracks: the burn, or p95/SLO."""
+    import borrowd.controller.prom_source as prom_source
+
+    asked: dict = {}
+
+    def history(client, pool, slo, **kwargs):
+        asked.update(pool=pool, slo=slo, **kwargs)
+        return _recorded_history(0.0075, burn_share=on_burn)
+
+    config = tmp_path / "borrowd.toml"
+    config.write_text(
+        '[prometheus]\nwindow = "1m"\n[[pools]]\nname = "other"\n[[pools]]\nname = "chat"\n'
+        "[pools.controller]\nslo_ttft_p95_s = 0.3\nslo_itl_p95_s = 0.0075\n"
+        f"control_on_burn = {str(on_burn).lower()}\n")
+    monkeypatch.setattr(prom_source, "connect_prometheus", lambda url, timeout_s: object())
+    monkeypatch.setattr(prom_source, "identification_history", history)
+    out = tmp_path / "plant.json"
+    rc = main(["identify", "--prometheus", "http://prom:9090", "--pool", "chat", "--config",
+               str(config), "--start", "0", "--end", "600", "--out", str(out), "--min-r2", "0"])
+    assert rc == 0, capsys.readouterr().err
+    assert asked["pool"] == "chat" and asked["window"] == "1m" and asked["burn"] is on_burn
+    assert (asked["slo"].itl_p95_s, asked["slo"].ttft_p95_s) == (0.0075, 0.3)
+    assert PlantModel.load(out).signal == ("burn" if on_burn else "p95_over_slo")
+
+
+def test_identify_from_prometheus_names_a_pool_not_in_the_config(tmp_path, capsys):
+    """A --pool the config does not hold: one line naming it and the pools there, exit 2."""
+    config = tmp_path / "borrowd.toml"
+    config.write_text('[[pools]]\nname = "other"\n')
+    rc = main(["identify", "--prometheus", "http://prom:9090", "--pool", "chat", "--config",
+               str(config), "--start", "0", "--end", "600", "--out", str(tmp_path / "p.json")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "'chat' is not in" in err and "other" in err
+    assert len(err.strip().splitlines()) == 1

@@ -28,6 +28,7 @@ from borrowd.controller.prom_source import (
     PrometheusSource,
     bound_queries,
     connect_prometheus,
+    identification_history,
     identification_queries,
     identification_series,
     pool_queries,
@@ -480,6 +481,67 @@ def test_identification_series_are_aligned_on_common_times() -> None:
     np.testing.assert_allclose(got["times_s"], [2, 3])
     np.testing.assert_allclose(got["budget_tokens_per_s"], [2, 3])
     np.testing.assert_allclose(got["ttft_p95_s"], [3, 4])
+
+
+def _parts_range(times: list[float], **parts: list[float]) -> list[dict]:
+    """A `BoundQuery` range answer: one series per part, a value at each time."""
+    return [{"metric": {"pool": "chat", "part": part},
+             "values": [[t, str(v)] for t, v in zip(times, values, strict=True)]}
+            for part, values in parts.items()]
+
+
+def _history_answers(slo: Slo, itl: list[dict], ttft: list[dict]) -> dict[str, object]:
+    times = [1.0, 2.0, 3.0]
+    answers: dict[str, object] = {
+        expr: [{"metric": {}, "values": [[t, "100"] for t in times]}]
+        for expr in identification_queries("chat", "15s").values()
+    }
+    itl_query, ttft_query, batch_query = bound_queries("chat", "15s", slo)
+    answers.update({itl_query.expr: itl, ttft_query.expr: ttft, batch_query.expr: []})
+    return answers
+
+
+def test_identification_history_reads_the_burn_at_the_pools_slo() -> None:
+    """Over a range, the daemon's own bound queries give each time's share above the pool's
+    SLO and its sample count; a time without parts keeps NaN; no batch series: NaN."""
+    slo = Slo(ttft_p95_s=0.3, itl_p95_s=0.0075)
+    times = [1.0, 2.0, 3.0]
+    itl = _parts_range(times, count=[10, 10, 10], at_bound=[9, 9.5, 10], series=[1, 1, 1],
+                       series_at_bound=[1, 1, 1])
+    ttft = _parts_range(times[:2], count=[2, 2], at_bound=[2, 1], series=[1, 1],
+                        series_at_bound=[1, 1])
+    history = identification_history(
+        FakeClient(_history_answers(slo, itl, ttft)), "chat", slo, start_s=1, end_s=3,
+        step_s=1, window="15s", burn=True)
+    obs = history.observations
+    np.testing.assert_allclose(history.times_s, times)
+    np.testing.assert_allclose([o.itl_over_slo_frac for o in obs], [0.1, 0.05, 0.0])
+    np.testing.assert_allclose([o.itl_samples for o in obs], [150.0] * 3)
+    np.testing.assert_allclose([o.ttft_over_slo_frac for o in obs], [0.0, 0.5, math.nan])
+    assert all(math.isnan(o.itl_over_slo_batch_frac) for o in obs)
+    assert all(o.window_s == 15.0 and o.itl_p95_s == 100.0 for o in obs)
+
+
+def test_identification_history_without_the_slo_bucket_names_it() -> None:
+    """Every series lacks the SLO's bucket: the burn cannot be fitted, and the error says
+    which metric and bound, and how to add it."""
+    slo = Slo(ttft_p95_s=0.3, itl_p95_s=0.0075)
+    times = [1.0, 2.0, 3.0]
+    lacking = _parts_range(times, count=[10, 10, 10], series=[1, 1, 1])
+    with pytest.raises(InputError, match=r"borrowd_proxy_itl_seconds: 1 of 1 series have no "
+                                         r"bucket le=0\.0075.*slo_itl_s"):
+        identification_history(FakeClient(_history_answers(slo, lacking, lacking)), "chat",
+                                slo, start_s=1, end_s=3, step_s=1, window="15s", burn=True)
+
+
+def test_identification_history_on_p95_asks_no_bound() -> None:
+    """A law on p95/SLO needs no burn: no bound query is asked, the shares stay NaN."""
+    client = FakeClient({expr: [{"metric": {}, "values": [[1.0, "1"], [2.0, "2"]]}]
+                         for expr in identification_queries("chat", "15s").values()})
+    history = identification_history(client, "chat", Slo(), start_s=1, end_s=2, step_s=1,
+                                     window="15s", burn=False)
+    assert all(math.isnan(o.itl_over_slo_frac) for o in history.observations)
+    np.testing.assert_allclose(history.budget_tokens_per_s, [1.0, 2.0])
 
 
 @pytest.mark.parametrize(
