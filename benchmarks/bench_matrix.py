@@ -39,10 +39,11 @@ from pathlib import Path
 
 import numpy as np
 from borrowd.controller.closed_loop import SimControllers
+from borrowd.models.enforcement import ADMISSION, ENGINE
 from borrowd.models.errors import InputError
 from borrowd.models.signals import Slo
 from borrowd.models.sim.run import calibrate_rate_scale, run_scenario
-from borrowd.models.sim.scenario import ADMISSION, ENGINE, Failure, Scenario
+from borrowd.models.sim.scenario import Failure, Scenario
 from borrowd.models.sim.shapes import (
     HELD_OUT,
     SHAPES,

@@ -44,13 +44,9 @@ from borrowd.models.protocols import Election, LoopFactory, MetricsSource, Store
 from borrowd.models.signals import Observation
 from borrowd.models.sim.engine import PRIORITY
 from borrowd.models.sim.policies import PolicySpec
-from borrowd.models.sim.scenario import ENGINE, Scenario
+from borrowd.models.sim.scenario import Scenario
 
 PLANTS_DIR = Path(__file__).parent / "plants"
-# Under engine enforcement the per-step limit keeps batch chunks short, so the fleet runs at
-# the ITL edge; the ITL loop then aims at a smaller share of gaps above the SLO (0.8 of the
-# 5% a p95 allows, against 0.95 with admission only) to keep a margin for bursts.
-ENGINE_ITL_BURN_SETPOINT = 0.8
 
 
 # The simulator's loop logs nothing below CRITICAL (it logs nothing critical): a tick per
@@ -73,11 +69,10 @@ def example_pool() -> PoolConfig:
 def controller_config(law: str, scenario: Scenario,
                       base: ControllerConfig | None = None) -> ControllerConfig:
     """The controller settings used on a simulated scenario without a config file: `base`
-    (default: the example config's) with law `law`, the scenario's SLOs and batch sizes,
-    and under engine enforcement the ITL burn setpoint `ENGINE_ITL_BURN_SETPOINT`."""
-    base = replace(base if base is not None else example_pool().controller, law=law)
-    if scenario.enforcement == ENGINE:
-        base = replace(base, pi=replace(base.pi, setpoint_itl_burn=ENGINE_ITL_BURN_SETPOINT))
+    (default: the example config's) with law `law`, the scenario's SLOs, batch sizes and
+    enforcement (`controller.enforcement`, as the operator of such a fleet sets it)."""
+    base = replace(base if base is not None else example_pool().controller, law=law,
+                   enforcement=scenario.enforcement)
     largest = scenario.batch.prompt_clip_tokens + scenario.batch.output_clip_tokens
     return replace(
         base,

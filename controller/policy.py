@@ -40,6 +40,7 @@ from borrowd.controller.supervisor import (
     supervise,
 )
 from borrowd.models.budget import Budget
+from borrowd.models.enforcement import ADMISSION, ENFORCEMENTS
 from borrowd.models.errors import ConfigError
 from borrowd.models.plant.model import PlantModel
 from borrowd.models.signals import Observation, Slo
@@ -99,6 +100,17 @@ class ControllerConfig:
             ),
         },
     )
+    enforcement: str = field(
+        default=ADMISSION,
+        metadata={
+            "unit": "|".join(ENFORCEMENTS),
+            "help": (
+                "how the pool's engines enforce the budget: admission (gate and proxy only) or "
+                "engine (the vLLM scheduler plugin too: batch chunks stay short, the fleet runs "
+                "at the ITL edge, and the PI's ITL burn setpoint is pi.setpoint_itl_burn_engine)"
+            ),
+        },
+    )
     burn: BurnConfig = field(
         default_factory=BurnConfig,
         metadata={"unit": "table", "help": "SLO burn windows, sample counts and bounds"},
@@ -131,6 +143,9 @@ class ControllerConfig:
     def __post_init__(self) -> None:
         if self.law not in law_names():
             raise ConfigError(f"controller.law must be one of {law_names()}, got {self.law!r}")
+        if self.enforcement not in ENFORCEMENTS:
+            raise ConfigError(f"controller.enforcement must be one of {ENFORCEMENTS}, got "
+                              f"{self.enforcement!r}")
         positive = (
             "tick_s",
             "slo_ttft_p95_s",
@@ -162,7 +177,8 @@ class ControllerConfig:
             f.name: getattr(self, f.name) for f in fields(self)
             if is_dataclass(getattr(self, f.name))
         }
-        return LawSettings(self.tick_s, self.u_max_tokens_per_s, plant, tables)
+        return LawSettings(self.tick_s, self.u_max_tokens_per_s, plant, tables,
+                           enforcement=self.enforcement)
 
     def smoothing(self) -> SmoothingConfig:
         """The smoothing wrapper's settings."""

@@ -29,6 +29,12 @@ from typing import Protocol
 
 from borrowd.models.budget import Budget, Mode
 
+# How a pool's budget is enforced: the simulated fleet's (`Scenario.enforcement`) and the
+# daemon's setting for a real pool (`controller.enforcement`).
+ADMISSION = "admission"  # batch budget enforced by the admission gate only
+ENGINE = "engine"  # the gate plus the engine plugin's per-step batch token limit
+ENFORCEMENTS = (ADMISSION, ENGINE)
+
 DEFAULT_MIN_BATCH_TOKENS_PER_STEP = 16  # one KV block of the default block size
 INITIAL_STEP_S = 0.03  # until a step was timed: a decode step of an 8B model on an H100
 MAX_STEP_S = 1.0  # a stall (idle engine, debugger) must not turn into a huge allowance

@@ -13,13 +13,14 @@ from pathlib import Path
 
 from borrowd.controller.closed_loop import SimControllers
 from borrowd.controller.config import load_config
+from borrowd.models.enforcement import ENFORCEMENTS
 from borrowd.models.errors import InputError
 from borrowd.models.sim.bench import format_group_table, format_table, plot, run_bench
 from borrowd.models.sim.cores import DEFAULT_ENGINE, ENGINE_CORES
 from borrowd.models.sim.jobs_figures import format_jobs_tables
 from borrowd.models.sim.profiles import get_profile
 from borrowd.models.sim.run import run_scenario, slo_json
-from borrowd.models.sim.scenario import ENFORCEMENTS, Scenario, get_scenario, with_slo
+from borrowd.models.sim.scenario import Scenario, get_scenario, with_slo
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

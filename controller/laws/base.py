@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 from borrowd.controller.laws.feedforward import ForecastState
+from borrowd.models.enforcement import ADMISSION
 from borrowd.models.errors import ConfigError
 from borrowd.models.plant.model import PlantModel
 from borrowd.models.signals import Observation
@@ -88,6 +89,8 @@ class LawSettings:
     u_max_tokens_per_s: float
     plant: PlantModel | None
     tables: Mapping[str, object]
+    # How the pool's budget is enforced (`controller.enforcement`: ADMISSION or ENGINE).
+    enforcement: str = ADMISSION
 
     def table(self, name: str, kind: type[T]) -> T:
         """The config table `name` (its defaults when the config has no such table)."""

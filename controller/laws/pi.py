@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 
 from borrowd.controller.burn import NEAR_SLO_NORM, BurnConfig
 from borrowd.controller.laws.base import OUTPUTS, LawSettings, LawTick, Proposal, tracked_outputs
+from borrowd.models.enforcement import ENGINE
 from borrowd.models.errors import ConfigError
 from borrowd.models.plant.fopdt import FopdtFit
 
@@ -86,6 +87,13 @@ class PiConfig:
     setpoint_itl_burn: float = field(
         default=0.95,
         metadata={"unit": "share above SLO / 0.05", "help": "ITL loop setpoint on the burn"},
+    )
+    setpoint_itl_burn_engine: float = field(
+        default=0.8,
+        metadata={"unit": "share above SLO / 0.05",
+                  "help": "ITL loop setpoint on the burn when controller.enforcement = engine: "
+                          "the plugin keeps batch chunks short and the fleet runs at the ITL "
+                          "edge, so the loop keeps a margin for bursts"},
     )
     method: str = field(
         default="simc", metadata={"unit": "simc|imc", "help": "tuning rule from the plant"}
@@ -149,7 +157,8 @@ class PiConfig:
         if self.method not in METHODS:
             raise ConfigError(f"pi.method must be one of {METHODS}, got {self.method!r}")
         for name in (
-            "setpoint_ttft_norm", "setpoint_itl_norm", "setpoint_ttft_burn", "setpoint_itl_burn"
+            "setpoint_ttft_norm", "setpoint_itl_norm", "setpoint_ttft_burn", "setpoint_itl_burn",
+            "setpoint_itl_burn_engine",
         ):
             if not 0 < getattr(self, name) <= 1.0:
                 raise ConfigError(f"pi.{name} must be in (0, 1], got {getattr(self, name)!r}")
@@ -298,7 +307,9 @@ class PiLaw:
                 gains = pi_gains(fit, cfg.method, cfg.tc_s, settings.tick_s)
             loops.append(PiLoop(name, setpoints[name], gains))
         self.loops = tuple(loops)
-        self.burn_setpoints = (cfg.setpoint_ttft_burn, cfg.setpoint_itl_burn)
+        itl_burn = (cfg.setpoint_itl_burn_engine if settings.enforcement == ENGINE
+                    else cfg.setpoint_itl_burn)
+        self.burn_setpoints = (cfg.setpoint_ttft_burn, itl_burn)
         self.fast_s = settings.table("burn", BurnConfig).fast_s
         self.pi_state = PiState.initial(len(OUTPUTS))
         self.recent_u: deque[tuple[float, float]] = deque()

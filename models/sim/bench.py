@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
+from borrowd.models.enforcement import ENGINE
 from borrowd.models.errors import InputError
 from borrowd.models.sim.policies import ControllerCatalog, parse_policy
 from borrowd.models.sim.run import calibrate_rate_scale, load_inputs, run_scenario, slo_json
-from borrowd.models.sim.scenario import ENGINE, Scenario
+from borrowd.models.sim.scenario import Scenario
 
 DEFAULT_POLICIES = ("none", "unrestricted", "priority")
 SWEEP_FRACTIONS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)

@@ -23,6 +23,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from borrowd.models.enforcement import ADMISSION, ENFORCEMENTS
 from borrowd.models.errors import InputError
 from borrowd.models.priority import BATCH_PRIORITY
 from borrowd.models.signals import Slo
@@ -34,9 +35,6 @@ ROUND_ROBIN = "round-robin"
 LEAST_TOKENS = "least-tokens"
 ROUTERS = (ROUND_ROBIN, LEAST_TOKENS)
 
-ADMISSION = "admission"  # batch budget enforced by the admission gate only
-ENGINE = "engine"  # the gate plus the engine plugin's per-step batch token limit
-ENFORCEMENTS = (ADMISSION, ENGINE)
 
 BACKLOG = "backlog"
 RATE = "rate"

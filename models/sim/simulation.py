@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from borrowd.models.budget import Budget
-from borrowd.models.enforcement import engine_share
+from borrowd.models.enforcement import ENGINE, engine_share
 from borrowd.models.errors import InputError
 from borrowd.models.protocols import TickLoop
 from borrowd.models.signals import Observation
@@ -38,7 +38,7 @@ from borrowd.models.sim.jobs import JobsSource
 from borrowd.models.sim.policies import PolicySpec
 from borrowd.models.sim.profiles import get_profile
 from borrowd.models.sim.request import ABORTED, BATCH, INTERACTIVE, Request
-from borrowd.models.sim.scenario import BACKLOG, ENGINE, Scenario
+from borrowd.models.sim.scenario import BACKLOG, Scenario
 from borrowd.models.sim.store import SimElection, SimStore
 from borrowd.models.sim.trace import Lengths, Trace
 from borrowd.models.sim.workload import BatchJob, BatchSource, interactive_arrivals

@@ -27,9 +27,15 @@ import pytest
 import redis
 from borrowd.adapters.gate import Gate
 from borrowd.adapters.store import BudgetStore, PoolKeys, holder_of
-from borrowd.controller.prom_source import connect_prometheus, parse_instant, query_range
+from borrowd.controller.prom_source import (
+    connect_prometheus,
+    identification_history,
+    parse_instant,
+    query_range,
+)
 from borrowd.models.budget import Mode
 from borrowd.models.errors import InputError
+from borrowd.models.signals import Slo
 from borrowd.models.sim.trace import traces_dir
 
 from tests.support.daemon_harness import (
@@ -257,6 +263,12 @@ def test_end_to_end(tmp_path: Path) -> None:
         missing_bound = prom.custom_query(
             f'borrowd_errors_total{{pool="{POOL}",kind="missing_bound"}} > 0')
         assert missing_bound == [], missing_bound
+        # `borrowd identify --prometheus` reads the same burn over the run's range.
+        history = identification_history(
+            prom, POOL, Slo(ttft_p95_s=SLO_TTFT_S, itl_p95_s=SLO_ITL_S), start_s=t0 + 15,
+            end_s=time.time(), step_s=1.0, window="15s", burn=True)
+        burn_read = sum(math.isfinite(o.itl_over_slo_frac) and o.itl_samples > 0
+                        for o in history.observations)
 
         # Prometheus down: the leader goes failsafe (batch closed).
         prometheus.kill(signal.SIGKILL)
@@ -327,6 +339,7 @@ def test_end_to_end(tmp_path: Path) -> None:
         "failsafe_after_prometheus_down_s": failsafe_after_s,
         "last_batch_admitted_after_sigkill_s": batch_stopped_after_s,
         "loadgen": summary,
+        "burn_history_read_of_samples": [burn_read, len(history.observations)],
         # What the leader published from 10 s before the burst to 10 s after it, a line per
         # change: what to read when the cut above comes late.
         "budget_around_burst": [
@@ -347,6 +360,7 @@ def test_end_to_end(tmp_path: Path) -> None:
     # (`budget_closed_*`, printed). What must hold: that fall, promptly, and the SLOs below.
     assert halved_at_s - burst_start <= 15.0 and halved_ticks_after_seen <= 10, figures
     assert windows_over_slo <= 0.05, figures
+    assert burn_read >= 0.9 * len(history.observations) > 0, figures
     assert ttft_run_p95_s <= SLO_TTFT_S and itl_run_p95_s <= SLO_ITL_S, figures
     assert batch_done > 0 and batch_tokens > 0 and summary["batch_completed"] > 0, figures
     assert summary["interactive_success_rate"] >= 0.99, figures

@@ -45,3 +45,17 @@ def test_make_policy_builds_each_law_for_seed(law):
     policy = make_policy(law, get_scenario("seed"), None)
     assert policy.tick_s > 0
     assert policy.sup_state.mode == Mode.CLOSED
+
+
+@pytest.mark.parametrize("enforcement", ["admission", "engine"])
+def test_the_simulated_pool_says_how_its_fleet_enforces(enforcement):
+    """Without a config file the simulated pool carries the scenario's enforcement in the
+    daemon's own key (`controller.enforcement`), so the law runs as a daemon so configured
+    would: no setting exists only in the simulator."""
+    from dataclasses import replace
+
+    scenario = replace(get_scenario("seed"), enforcement=enforcement)
+    pool = SimControllers().pool_config("pi", scenario)
+    assert pool.controller.enforcement == enforcement
+    seed_pool = SimControllers().pool_config("pi", get_scenario("seed"))
+    assert pool.controller.pi == seed_pool.controller.pi

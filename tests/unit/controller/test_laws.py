@@ -281,3 +281,15 @@ def test_pi_loop_on_a_late_signal_near_its_slo_runs_slower(window_s, itl_norm, e
         return law.propose(tick).u_tokens_per_s - 40_000.0
 
     assert step((math.nan, window_s)) == pytest.approx(expected_scale * step((math.nan, 10.0)))
+
+
+@pytest.mark.parametrize(("enforcement", "setpoint"), [("admission", 0.95), ("engine", 0.8)])
+def test_pi_itl_burn_setpoint_follows_the_pools_enforcement(enforcement, setpoint):
+    """A pool whose engines run the plugin (`controller.enforcement = "engine"`) tracks the
+    ITL burn at `pi.setpoint_itl_burn_engine`, one with admission only at
+    `pi.setpoint_itl_burn`: at that burn the loop holds the budget still."""
+    config = PiConfig(gain_reference_tokens_per_s=0.0, fall_floor_frac=0.0)
+    law = PiLaw(LawSettings(1.0, 200_000.0, None, {"pi": config}, enforcement=enforcement))
+    tick = LawTick(Observation(now_s=0.0, age_s=0.5), (math.nan, 0.5), 40_000.0, 1.0,
+                   burns=(math.nan, setpoint), burn_windows_s=(math.nan, 10.0))
+    assert law.propose(tick).u_tokens_per_s == pytest.approx(40_000.0)

@@ -6,9 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from borrowd.models.budget import Budget, Mode
+from borrowd.models.enforcement import ENGINE
 from borrowd.models.sim.policies import PolicySpec
 from borrowd.models.sim.run import load_inputs
-from borrowd.models.sim.scenario import ENGINE, SEED
+from borrowd.models.sim.scenario import SEED
 from borrowd.models.sim.simulation import Simulation
 
 
