@@ -215,6 +215,8 @@ class Experiment:
     hold_s: float = 30.0
     tick_s: float = 1.0
     seed: int = 1
+    # The law the plant is for: it decides the signal fitted (`identify.tracked_signal`).
+    law: str = "pi"
 
 
 @dataclass
@@ -265,7 +267,7 @@ def run_experiment(scenario: Scenario, experiment: Experiment) -> ExcitationPoli
     from borrowd.models.sim.run import calibrate_rate_scale, load_inputs
     from borrowd.models.sim.simulation import Simulation
 
-    pool = default_sim_pool("pi", scenario)
+    pool = default_sim_pool(experiment.law, scenario)
     config = pool.controller
     u_plan = prbs(
         experiment.u_low_tokens_per_s,

@@ -1,7 +1,8 @@
 """What identification fits: per output, the signal the law tracks, computed from recorded
 observations exactly as the policy computes it.
 
-With `control_on_burn` the law tracks each output's counted fast SLO burn
+With `control_on_burn` a law that tracks the burn (PI, slack; not the MPC, which plans on
+p95/SLO) tracks each output's counted fast SLO burn
 (`controller.burn`: the share of samples above the SLO over the 5% a p95 allows, in a window
 lengthened while sparse); without, its p95 over the SLO through the policy's asymmetric
 smoothing. Identifying, tuning and scheduling gains on anything else would fit a plant the
@@ -15,6 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 from borrowd.controller.burn import BurnWindow
+from borrowd.controller.laws.registry import law_tracks_burn
 from borrowd.controller.laws.smoothing import smooth_step
 from borrowd.controller.policy import ControllerConfig
 from borrowd.models.errors import InputError
@@ -25,15 +27,16 @@ OUTPUT_NAMES = ("ttft", "itl")
 
 
 def tracked_signal(config: ControllerConfig) -> str:
-    """The plant signal the configured law tracks (`burn` or `p95_over_slo`)."""
-    return SIGNAL_BURN if config.control_on_burn else SIGNAL_P95
+    """The plant signal the configured law tracks (`burn` or `p95_over_slo`): the burn with
+    `control_on_burn` for a law that tracks it (PI, slack), else p95/SLO (the MPC)."""
+    return SIGNAL_BURN if config.control_on_burn and law_tracks_burn(config.law) else SIGNAL_P95
 
 
 def tracked_series(
     observations: Sequence[Observation], config: ControllerConfig, dt_s: float
 ) -> dict[str, np.ndarray]:
     """Per output, the tracked signal at every observation (gaps carry the last value)."""
-    if config.control_on_burn:
+    if tracked_signal(config) == SIGNAL_BURN:
         return {name: _fill(series) for name, series in _burn_series(observations, config,
                                                                      dt_s).items()}
     slo = config.slo()

@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import argparse
 import math
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 from borrowd.adapters.redact import redact_url
+from borrowd.controller.laws.registry import law_names
 from borrowd.controller.policy import ControllerConfig
 from borrowd.models.errors import InputError
-from borrowd.models.plant.model import FitCriteria, PlantModel, identify_plant
+from borrowd.models.plant.model import SIGNAL_BURN, FitCriteria, PlantModel, identify_plant
 
 if TYPE_CHECKING:
     from borrowd.controller.tuning import LoopReport
@@ -45,6 +47,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="the daemon's config (TOML): the pool's SLOs, burn settings, law "
                             "and rules window are read from it (Prometheus; default: built-in "
                             "defaults)")
+    ident.add_argument("--law", choices=law_names(),
+                       help="the law the plant is for, which decides the signal fitted: the "
+                            "SLO burn (pi, slack, with control_on_burn) or p95/SLO (mpc) "
+                            "(default: the --config pool's law, else pi)")
     ident.add_argument("--window", help="recording-rule window (default: the config's "
                                         "prometheus.window, else 15s)")
     ident.add_argument("--u-low", type=float, default=40_000.0, help="PRBS low budget, tokens/s")
@@ -101,6 +107,7 @@ def run_identify(args: argparse.Namespace) -> int:
             duration_s=args.duration,
             hold_s=args.hold,
             seed=args.seed,
+            law=args.law or "pi",
         )
         plant = identify_on_simulator(get_scenario(args.scenario), experiment, criteria)
     else:
@@ -130,11 +137,13 @@ def identify_from_prometheus(args: argparse.Namespace, criteria: FitCriteria) ->
         raise InputError("--pool is required with --prometheus")
     start_s, end_s = parse_time_s(args.start, "start"), parse_time_s(args.end, "end")
     config, window = pool_controller(args.config, args.pool)
+    if args.law:
+        config = replace(config, law=args.law)
     window = args.window or window
     client = connect_prometheus(args.prometheus, 10.0)
     history = identification_history(
         client, args.pool, config.slo(), start_s=start_s, end_s=end_s, step_s=args.step,
-        window=window, burn=config.control_on_burn,
+        window=window, burn=tracked_signal(config) == SIGNAL_BURN,
     )
     rates = np.array([o.interactive_tokens_per_s for o in history.observations])
     return identify_plant(

@@ -210,6 +210,9 @@ class MpcLaw:
     setpoints), planning on v = u + g * d with the forecast the feed-forward wrapper gives
     and the gains scaled by the gain schedule's ratios."""
 
+    # It plans on p95/SLO whatever `control_on_burn` says (its plant is identified on it).
+    tracks_burn = False
+
     def __init__(self, settings: LawSettings) -> None:
         if settings.plant is None:
             raise ConfigError("controller.law = 'mpc' needs a plant model (borrowd identify)")

@@ -288,6 +288,8 @@ class PiLaw:
     when it models the output, else the configured ones. Its own fall is bounded to one
     multiplicative decrease per window (`fall_floor`)."""
 
+    tracks_burn = True  # with `control_on_burn`, wherever the burn is measured
+
     def __init__(self, settings: LawSettings) -> None:
         self.config = settings.table("pi", PiConfig)
         self.u_max_tokens_per_s = settings.u_max_tokens_per_s

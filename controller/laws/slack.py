@@ -72,6 +72,8 @@ class SlackLaw:
     """The slack-threshold law as a `Law`, on each output's SLO burn when measured, else
     its p95/SLO."""
 
+    tracks_burn = True  # with `control_on_burn`, wherever the burn is measured
+
     def __init__(self, settings: LawSettings) -> None:
         self.config = settings.table("slack", SlackConfig)
         self.u_max_tokens_per_s = settings.u_max_tokens_per_s

@@ -138,11 +138,16 @@ def test_identify_from_prometheus_keeps_no_password(tmp_path, capsys, monkeypatc
     assert "ops:***@prom:9090" in out.read_text()
 
 
-@pytest.mark.parametrize("on_burn", [True, False])
+@pytest.mark.parametrize(("on_burn", "law", "signal"),
+                         [(True, [], "burn"), (False, [], "p95_over_slo"),
+                          (True, ["--law", "mpc"], "p95_over_slo")],
+                         ids=["pi-on-burn", "pi-on-p95", "for-mpc"])
 def test_identify_from_prometheus_fits_what_the_pools_law_tracks(tmp_path, capsys, monkeypatch,
-                                                                  on_burn: bool):
+                                                                  on_burn: bool, law: list,
+                                                                  signal: str):
     """With the daemon's config, the history is read at the pool's own SLOs and rules window,
-    and the plant is fitted on the signal its law tracks: the burn, or p95/SLO."""
+    and the plant is fitted on the signal its law tracks: the burn, or p95/SLO (control_on_burn
+    off, or a plant for the MPC, which plans on p95/SLO)."""
     import borrowd.controller.prom_source as prom_source
 
     asked: dict = {}
@@ -160,11 +165,13 @@ def test_identify_from_prometheus_fits_what_the_pools_law_tracks(tmp_path, capsy
     monkeypatch.setattr(prom_source, "identification_history", history)
     out = tmp_path / "plant.json"
     rc = main(["identify", "--prometheus", "http://prom:9090", "--pool", "chat", "--config",
-               str(config), "--start", "0", "--end", "600", "--out", str(out), "--min-r2", "0"])
+               str(config), "--start", "0", "--end", "600", "--out", str(out), "--min-r2", "0",
+               *law])
     assert rc == 0, capsys.readouterr().err
-    assert asked["pool"] == "chat" and asked["window"] == "1m" and asked["burn"] is on_burn
+    assert asked["pool"] == "chat" and asked["window"] == "1m"
+    assert asked["burn"] is (signal == "burn")
     assert (asked["slo"].itl_p95_s, asked["slo"].ttft_p95_s) == (0.0075, 0.3)
-    assert PlantModel.load(out).signal == ("burn" if on_burn else "p95_over_slo")
+    assert PlantModel.load(out).signal == signal
 
 
 def test_identify_from_prometheus_names_a_pool_not_in_the_config(tmp_path, capsys):

@@ -37,3 +37,12 @@ def test_without_burn_control_the_series_is_the_smoothed_p95():
     series = tracked_series(stream([0.0] * 60), config, 1.0)
     assert tracked_signal(config) == "p95_over_slo"
     assert series["itl"][-1] == pytest.approx(0.8)
+
+
+def test_a_plant_for_the_mpc_is_fitted_on_p95_even_with_burn_control():
+    """The MPC plans on p95/SLO whatever `control_on_burn` says, so its plant is fitted on
+    the smoothed p95 (a burn plant would be refused when the MPC is built)."""
+    config = replace(ControllerConfig(), law="mpc")
+    series = tracked_series(stream([0.0] * 60), config, 1.0)
+    assert config.control_on_burn and tracked_signal(config) == "p95_over_slo"
+    assert series["itl"][-1] == pytest.approx(0.8)
