@@ -171,7 +171,12 @@ class SupervisorConfig:
         default=60000.0, metadata={"unit": "tokens/s", "help": "ramp ends (open) at this budget"}
     )
     max_age_s: float = field(
-        default=5.0, metadata={"unit": "s", "help": "older signals are stale (failsafe)"}
+        default=15.0,
+        metadata={"unit": "s",
+                  "help": "older signals are stale (failsafe). The recorded series are as old "
+                          "as Prometheus's last rule evaluation, up to its evaluation interval "
+                          "plus the evaluation's own time, so this must be well above that "
+                          "interval (the shipped 5 s: 15 s)"},
     )
     floor_tokens_per_s: float = field(
         default=0.0, metadata={"unit": "tokens/s", "help": "budget in failsafe"}

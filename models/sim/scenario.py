@@ -117,6 +117,11 @@ class Scenario:
     ttft_timeout_s: float = 30.0
     window_s: float = 60.0
     observe_window_s: float = 5.0
+    # The monitoring between the fleet and the loop (the shipped prometheus.example.yml's
+    # intervals): samples are scraped every `scrape_interval_s`, recording rules evaluated
+    # every `evaluation_interval_s`; 0 reads every signal fresh at the tick.
+    scrape_interval_s: float = 5.0
+    evaluation_interval_s: float = 5.0
     calibration_s: float = 3600.0
     enforcement: str = ADMISSION
     jobs: JobsSpec | None = None  # batch jobs (`models.sim.jobs_spec`): the batch demand
@@ -252,6 +257,12 @@ KEYS: tuple[Key, ...] = (
         low=0, low_open=True),
     Key("observe_window_s", float, "sliding window of the signals the policy reads (s)",
         "scenario.observe_window_s", low=0, low_open=True),
+    Key("scrape_interval_s", float, "Prometheus scrape interval: the burn shares the daemon "
+        "reads end at the last scrape (s; 0: fresh at every tick)",
+        "scenario.scrape_interval_s", low=0),
+    Key("evaluation_interval_s", float, "Prometheus rule evaluation interval: the recorded "
+        "series the daemon reads (p95s, rates, KV, queue) change only then, over the samples "
+        "scraped by then (s; 0: at every tick)", "scenario.evaluation_interval_s", low=0),
     Key("calibration_s", float, "longest run used to find the interactive rate scale (s)",
         "scenario.calibration_s", low=0, low_open=True),
     Key("slo.ttft_p95_s", float, "interactive p95 time to first token SLO (s)",

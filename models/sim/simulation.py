@@ -116,6 +116,29 @@ class RunResult:
         return out
 
 
+
+def signal_ends(now_s: float, scrape_interval_s: float,
+                evaluation_interval_s: float) -> tuple[float, float, float]:
+    """When the data the daemon reads at `now_s` was made, as a Prometheus scraping every
+    `scrape_interval_s` (targets half an interval out of phase with the rules) and evaluating
+    rules every `evaluation_interval_s` serves it: (the last rule evaluation, the last scrape
+    before it: where the recorded series' windows end, the last scrape by `now_s`: where the
+    burn shares' windows end; the daemon reads those from raw histograms at the tick). An
+    interval of 0 is no delay. Pure, so that every tick between two evaluations reads the
+    same recorded values, as the daemon does."""
+    evaluated_s = _last_multiple(now_s, evaluation_interval_s, 0.0)
+    phase_s = scrape_interval_s / 2.0
+    return (evaluated_s, _last_multiple(evaluated_s, scrape_interval_s, phase_s),
+            _last_multiple(now_s, scrape_interval_s, phase_s))
+
+
+def _last_multiple(t_s: float, period_s: float, phase_s: float) -> float:
+    """The last time phase + k * period at or before `t_s` (`t_s` itself when period is 0)."""
+    if period_s <= 0:
+        return t_s
+    return phase_s + math.floor((t_s - phase_s) / period_s + 1e-9) * period_s
+
+
 class Simulation:
     """One run of a scenario under a policy, in virtual time."""
 
@@ -466,31 +489,37 @@ class Simulation:
             )
 
     def observe(self, pool: str, now_s: float) -> Observation:
-        """Signals over the last `observe_window_s` seconds ending at `now_s` (the policy's
-        window when it names one: the daemon config's rules window, as the daemon reads)."""
+        """Signals over the last `observe_window_s` seconds (the policy's window when it names
+        one: the daemon config's rules window, as the daemon reads) as Prometheus would serve
+        them at `now_s` (`signal_ends`): the recorded series over the samples scraped by the
+        last rule evaluation, aged since it; the burn shares over those scraped by now. Gauges
+        of the moment (KV usage, queue, oldest wait, batch in flight) are read at `now_s`."""
         if pool != self.scenario.pool:
             return Observation(now_s=now_s, age_s=math.inf)
         rec = self.rec
         w = self.policy.observe_window_s or self.scenario.observe_window_s
-        t0 = now_s - w
+        evaluated_s, rules_end_s, burn_end_s = signal_ends(
+            now_s, self.scenario.scrape_interval_s, self.scenario.evaluation_interval_s)
+        t0 = rules_end_s - w
         # Latency of the replicas batch may use (all unless restricted), as the daemon's
         # rules read the proxy's histograms; success and the rest stay fleet-wide, as there.
         lat = self.group_recs[0] if self.group_recs is not None else rec
-        fig = lat.interactive_figures(t0, now_s)
+        fig = lat.interactive_figures(t0, rules_end_s)
         success_rate = (fig["success_rate"] if lat is rec
-                        else rec.interactive_figures(t0, now_s)["success_rate"])
-        lo, hi = max(0, int(t0)), max(0, int(now_s))
+                        else rec.interactive_figures(t0, rules_end_s)["success_rate"])
+        lo, hi = max(0, int(t0)), max(0, int(rules_end_s))
         span = max(1, hi - lo)
         engines = [e for e, up in zip(self.fleet.engines, self.fleet.up, strict=True) if up]
         oldest = max((now_s - r.submitted_s for r in self._waiting_first.values()), default=0.0)
-        a, b = rec.window_slice(rec.ttft_t, t0, now_s)  # requests fleet-wide, as success
-        itl_over, ttft_over = lat.slo_burn(t0, now_s, self.scenario.slo)
-        itl_n, ttft_n, itl_batch = lat.slo_samples(t0, now_s, self.scenario.slo)
+        a, b = rec.window_slice(rec.ttft_t, t0, rules_end_s)  # requests fleet-wide, as success
+        itl_over, ttft_over = lat.slo_burn(burn_end_s - w, burn_end_s, self.scenario.slo)
+        itl_n, ttft_n, itl_batch = lat.slo_samples(burn_end_s - w, burn_end_s,
+                                                   self.scenario.slo)
         waited = sum(rec.interactive_wait_s_per_s[lo:hi])
         waited_batch = sum(rec.interactive_wait_batch_s_per_s[lo:hi])
         return Observation(
             now_s=now_s,
-            age_s=0.0,
+            age_s=now_s - evaluated_s,
             ttft_p95_s=fig["ttft_p95_s"],
             itl_p95_s=fig["itl_p95_s"],
             success_rate=success_rate,

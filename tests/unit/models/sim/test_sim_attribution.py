@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from borrowd.models.sim.policies import parse_policy
 from borrowd.models.sim.run import load_inputs
@@ -13,11 +14,13 @@ SEED_RATE_SCALE = 0.2672
 
 
 def _observe_after(policy: str, duration_s: float = 60.0):
-    trace, lengths = load_inputs(SEED)
-    sim = Simulation(SEED, parse_policy(policy, SEED), duration_s=duration_s, seed=1,
+    # Read fresh at the run's end (no monitoring delay: this is about what is counted).
+    scenario = replace(SEED, scrape_interval_s=0.0, evaluation_interval_s=0.0)
+    trace, lengths = load_inputs(scenario)
+    sim = Simulation(scenario, parse_policy(policy, scenario), duration_s=duration_s, seed=1,
                      trace=trace, rate_scale=SEED_RATE_SCALE, lengths=lengths)
     sim.run()
-    return sim.observe(SEED.pool, duration_s)
+    return sim.observe(scenario.pool, duration_s)
 
 
 def test_free_batch_interference_is_attributed_to_batch() -> None:

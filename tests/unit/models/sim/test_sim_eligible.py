@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from borrowd.models.enforcement import ENGINE
 from borrowd.models.errors import InputError
 from borrowd.models.sim.bench import format_group_table, meets_every_window
 from borrowd.models.sim.cores import make_engine
@@ -16,14 +17,13 @@ from borrowd.models.sim.profiles import H100_LLAMA3_8B
 from borrowd.models.sim.request import BATCH, INTERACTIVE, Request
 from borrowd.models.sim.run import load_inputs, run_scenario
 from borrowd.models.sim.scenario import (
-    ENGINE,
     LEAST_TOKENS,
     ROUND_ROBIN,
     SEED,
     get_scenario,
     load_scenario_file,
 )
-from borrowd.models.sim.simulation import Simulation
+from borrowd.models.sim.simulation import Simulation, signal_ends
 
 DURATION_S = 240.0
 
@@ -157,12 +157,15 @@ def test_the_policy_observes_the_batch_replicas_latency() -> None:
     sim = _run("static:40000")
     sim.run()
     assert sim.group_recs is not None
-    now, window = DURATION_S - 1.0, sim.scenario.observe_window_s
-    obs = sim.observe(sim.scenario.pool, now)
-    group = sim.group_recs[0].interactive_figures(now - window, now)
-    fleet = sim.rec.interactive_figures(now - window, now)
+    window = sim.scenario.observe_window_s
+    _, end, burn_end = signal_ends(DURATION_S - 1.0, sim.scenario.scrape_interval_s,
+                                   sim.scenario.evaluation_interval_s)
+    obs = sim.observe(sim.scenario.pool, DURATION_S - 1.0)
+    group = sim.group_recs[0].interactive_figures(end - window, end)
+    fleet = sim.rec.interactive_figures(end - window, end)
     assert obs.itl_p95_s == group["itl_p95_s"] != fleet["itl_p95_s"]
-    itl_n, ttft_n, _ = sim.group_recs[0].slo_samples(now - window, now, sim.scenario.slo)
+    itl_n, ttft_n, _ = sim.group_recs[0].slo_samples(burn_end - window, burn_end,
+                                                     sim.scenario.slo)
     assert (obs.itl_samples, obs.ttft_samples) == (itl_n, ttft_n)
     assert obs.success_rate == fleet["success_rate"]
 

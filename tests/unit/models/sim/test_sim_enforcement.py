@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from borrowd.controller.cli import main
+from borrowd.controller.laws.pi import PiLaw
 from borrowd.models.budget import Budget, Mode, closed_budget
 from borrowd.models.errors import InputError
 from borrowd.models.sim.engine import Engine, EngineConfig
@@ -126,8 +127,11 @@ def test_sim_under_engine_enforcement_labels_its_row(
                          ids=["admission", "engine"])
 def test_controller_itl_burn_setpoint_follows_the_enforcement(enforcement: str,
                                                                setpoint: float) -> None:
-    """Engine enforcement gets its own ITL burn setpoint; admission keeps the default."""
+    """The simulated pool says how its fleet enforces (`controller.enforcement`), and the PI
+    built from it tracks the ITL burn at that enforcement's setpoint (engine: its own)."""
     from borrowd.controller.closed_loop import controller_config
 
     config = controller_config("pi", SEED.with_overrides(enforcement=enforcement))
-    assert config.pi.setpoint_itl_burn == setpoint
+    assert config.enforcement == enforcement
+    law = PiLaw(config.law_settings(None))
+    assert law.burn_setpoints[1] == setpoint
