@@ -178,13 +178,7 @@ class SimControllers:
         """The pool settings law `name` runs under on `scenario`."""
         if self.config is None:
             return default_sim_pool(name, scenario)
-        pools = {p.name: p for p in self.config.pools}
-        if self.pool is None and len(pools) > 1:
-            raise InputError(f"--pool is needed: the config has pools {', '.join(pools)}")
-        chosen = pools.get(self.pool) if self.pool is not None else self.config.pools[0]
-        if chosen is None:
-            raise InputError(f"--pool {self.pool!r} is not in the config (pools: "
-                             f"{', '.join(pools)})")
+        chosen = self.config.pool_named(self.pool)
         return scenario_replicas(
             replace(chosen, name=scenario.pool, controller=replace(chosen.controller, law=name)),
             scenario,

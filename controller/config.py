@@ -26,7 +26,7 @@ from typing import Any
 
 from borrowd.controller.policy import ControllerConfig
 from borrowd.models.config_loader import build_dataclass, load_toml, meta
-from borrowd.models.errors import ConfigError
+from borrowd.models.errors import ConfigError, InputError
 
 ENV_PREFIX = "BORROWD_"
 ENV_SECTIONS = ("daemon", "redis", "prometheus")
@@ -207,6 +207,20 @@ class BorrowdConfig:
                     f"least two ticks ({2 * pool.tick_s * 1000:.0f} ms), renewal happens once a "
                     "tick"
                 )
+
+
+    def pool_named(self, name: str | None) -> PoolConfig:
+        """The pool `name` (None: the only pool); InputError naming the pools there when it
+        is absent, or when None is given and there are several."""
+        names = ", ".join(pool.name for pool in self.pools)
+        if name is None:
+            if len(self.pools) > 1:
+                raise InputError(f"--pool is needed: the config has pools {names}")
+            return self.pools[0]
+        for pool in self.pools:
+            if pool.name == name:
+                return pool
+        raise InputError(f"--pool {name!r} is not in the config (pools: {names})")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -140,10 +140,11 @@ def identify_from_prometheus(args: argparse.Namespace, criteria: FitCriteria) ->
     if args.law:
         config = replace(config, law=args.law)
     window = args.window or window
+    signal = tracked_signal(config)
     client = connect_prometheus(args.prometheus, 10.0)
     history = identification_history(
         client, args.pool, config.slo(), start_s=start_s, end_s=end_s, step_s=args.step,
-        window=window, burn=tracked_signal(config) == SIGNAL_BURN,
+        window=window, burn=signal == SIGNAL_BURN,
     )
     rates = np.array([o.interactive_tokens_per_s for o in history.observations])
     return identify_plant(
@@ -154,23 +155,19 @@ def identify_from_prometheus(args: argparse.Namespace, criteria: FitCriteria) ->
         source=f"prometheus {redact_url(args.prometheus)} pool {args.pool} "
                f"{start_s:.0f}-{end_s:.0f}",
         criteria=criteria,
-        signal=tracked_signal(config),
+        signal=signal,
     )
 
 
 def pool_controller(path: Path | None, pool: str) -> tuple[ControllerConfig, str]:
     """The controller config of `pool` in the daemon config at `path` and its rules window
-    (no path: the defaults and 15s); InputError when the pool is not in the file."""
-    if path is None:
-        return ControllerConfig(), "15s"
-    from borrowd.controller.config import load_config
+    (no path: the defaults); InputError when the pool is not in the file."""
+    from borrowd.controller.config import PrometheusConfig, load_config
 
+    if path is None:
+        return ControllerConfig(), PrometheusConfig().window
     loaded = load_config(path)
-    for candidate in loaded.pools:
-        if candidate.name == pool:
-            return candidate.controller, loaded.prometheus.window
-    names = ", ".join(p.name for p in loaded.pools)
-    raise InputError(f"--pool {pool!r} is not in {path} (its pools: {names})")
+    return loaded.pool_named(pool).controller, loaded.prometheus.window
 
 
 def run_tune(args: argparse.Namespace) -> int:

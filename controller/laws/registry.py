@@ -24,18 +24,20 @@ def law_names() -> tuple[str, ...]:
     return tuple(LAWS)
 
 
-def law_tracks_burn(name: str) -> bool:
-    """Whether law `name` tracks the SLO burn when `control_on_burn` is on (its class's
-    `tracks_burn`; the MPC keeps p95/SLO); `ConfigError` when no such law is registered."""
+def _factory(name: str) -> LawFactory:
+    """The factory of law `name`; `ConfigError` when no such law is registered."""
     factory = LAWS.get(name)
     if factory is None:
         raise ConfigError(f"controller.law must be one of {law_names()}, got {name!r}")
-    return bool(getattr(factory, "tracks_burn", True))
+    return factory
+
+
+def law_tracks_burn(name: str) -> bool:
+    """Whether law `name` tracks the SLO burn when `control_on_burn` is on (its class's
+    `tracks_burn`; the MPC keeps p95/SLO); `ConfigError` when no such law is registered."""
+    return bool(getattr(_factory(name), "tracks_burn", True))
 
 
 def build_law(name: str, settings: LawSettings) -> Law:
     """A new instance of law `name`; `ConfigError` when no such law is registered."""
-    factory = LAWS.get(name)
-    if factory is None:
-        raise ConfigError(f"controller.law must be one of {law_names()}, got {name!r}")
-    return factory(settings)
+    return _factory(name)(settings)

@@ -116,7 +116,6 @@ class RunResult:
         return out
 
 
-
 def signal_ends(now_s: float, scrape_interval_s: float,
                 evaluation_interval_s: float) -> tuple[float, float, float]:
     """When the data the daemon reads at `now_s` was made, as a Prometheus scraping every
