@@ -34,13 +34,15 @@ import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
+from functools import partial
 from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
-from borrowd.controller.closed_loop import SimControllers
+from borrowd.controller.closed_loop import SimControllers, example_pool
+from borrowd.models.config_loader import parse_settings, with_settings
 from borrowd.models.enforcement import ADMISSION, ENGINE
-from borrowd.models.errors import InputError
+from borrowd.models.errors import ConfigError, InputError
 from borrowd.models.signals import Slo
 from borrowd.models.sim.run import calibrate_rate_scale, run_scenario
 from borrowd.models.sim.scenario import Failure, Scenario
@@ -148,12 +150,12 @@ def simulator_digest() -> str:
     return h.hexdigest()[:16]
 
 
-def run_cell_cached(cell: Cell) -> dict[str, object]:
+def run_cell_cached(cell: Cell, settings: tuple[str, ...] = ()) -> dict[str, object]:
     """`run_cell`, with runs that involve no controller (none, priority, static caps) read
     from and written to the cache: they depend on the simulator alone, so a rerun after a
-    controller change only runs the law."""
+    controller change only runs the law (under `settings`, as `--set` gives them)."""
     if cell.policy in SimControllers().names():
-        return run_cell(cell)
+        return run_cell(cell, settings)
     key = hashlib.sha256(repr((cell, simulator_digest())).encode()).hexdigest()[:24]
     path = cache_dir().parent / "matrix-runs" / f"{key}.json"
     try:
@@ -168,8 +170,9 @@ def run_cell_cached(cell: Cell) -> dict[str, object]:
     return result
 
 
-def run_cell(cell: Cell) -> dict[str, object]:
-    """Run one cell; the figures the matrix needs (and each window's p95s)."""
+def run_cell(cell: Cell, settings: tuple[str, ...] = ()) -> dict[str, object]:
+    """Run one cell (a law under controller `settings`); the figures the matrix needs (and
+    each window's p95s)."""
     res = run_scenario(
         cell.scenario,
         cell.policy,
@@ -177,7 +180,7 @@ def run_cell(cell: Cell) -> dict[str, object]:
         seed=cell.seed,
         trace_path=cell.trace_path,
         rate_scale=1.0,
-        controllers=SimControllers(),
+        controllers=SimControllers(settings=settings),
     )
     s = res.summary()
     windows = s["windows"]
@@ -246,8 +249,9 @@ def refine_rates(runs: Sequence[dict[str, object]], seqs: int, ceiling: float) -
 
 
 def run_matrix(shapes: Sequence[Shape], duration_s: float, grid: Grid, law: str, seed: int,
-               workers: int) -> list[dict[str, object]]:
-    """Every shape under every enforcement: law, best static, and the figures (rows)."""
+               workers: int, settings: tuple[str, ...] = ()) -> list[dict[str, object]]:
+    """Every shape under every enforcement: law (under controller `settings`), best static,
+    and the figures (rows)."""
     with ProcessPoolExecutor(max_workers=workers) as pool:
         paths = dict(zip((s.name for s in shapes),
                          pool.map(prepare_trace, shapes, [duration_s] * len(shapes)),
@@ -272,7 +276,7 @@ def run_matrix(shapes: Sequence[Shape], duration_s: float, grid: Grid, law: str,
                         rate = round(f * ceilings[s.name], -2)
                         second.append(cell(s, static_name(rate, seqs * s.replicas),
                                            slos[s.name], enf))
-        results = list(pool.map(run_cell_cached, second))
+        results = list(pool.map(partial(run_cell_cached, settings=settings), second))
         by_key: dict[tuple[str, str], list[dict[str, object]]] = {}
         for c, r in zip(second, results, strict=True):
             by_key.setdefault((c.shape, c.scenario.enforcement), []).append(r)
@@ -399,6 +403,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--split", choices=(TUNE, HELD_OUT), help="only shapes of this split")
     p.add_argument("--law", default="pi", help="controller policy to compare (default pi)")
     p.add_argument("--seed", type=int, default=0, help="random seed (batch draws)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="settings",
+                   help="a controller setting for the law (keys under the pool's `controller` "
+                        "table, e.g. pi.kp_tokens_per_s=12000; repeatable)")
     p.add_argument("--workers", type=int, default=2, help="parallel runs (processes)")
     p.add_argument("--json", type=Path, help="write the rows to this file")
     p.add_argument("--plot", type=Path, help="write the bar plot (PNG)")
@@ -415,9 +422,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("bench_matrix: --duration and --workers must be > 0", file=sys.stderr)
         return 2
     grid = QUICK_GRID if args.quick else FULL_GRID
+    settings = tuple(args.settings)
+    try:
+        with_settings(example_pool().controller, parse_settings(settings), "controller")
+    except ConfigError as exc:
+        print(f"bench_matrix: --set: {exc}", file=sys.stderr)
+        return 2
     wall0 = time.perf_counter()
-    rows = run_matrix(shapes, duration_s, grid, args.law, args.seed, args.workers)
-    print(f"robustness matrix: law {args.law}, {duration_s:g} s per run, "
+    rows = run_matrix(shapes, duration_s, grid, args.law, args.seed, args.workers, settings)
+    shown = f" ({', '.join(settings)})" if settings else ""
+    print(f"robustness matrix: law {args.law}{shown}, {duration_s:g} s per run, "
           f"{'quick' if args.quick else 'full'} sweep, {time.perf_counter() - wall0:.0f} s wall")
     for split in (TUNE, HELD_OUT):
         part = [r for r in rows if r["split"] == split]

@@ -37,6 +37,7 @@ from borrowd.controller.pools import build_pool_policy
 from borrowd.controller.prom_source import window_seconds
 from borrowd.controller.supervisor import burning
 from borrowd.models.budget import Mode
+from borrowd.models.config_loader import parse_settings, with_settings
 from borrowd.models.errors import InputError
 from borrowd.models.plant.excitation import prbs
 from borrowd.models.plant.model import FitCriteria, PlantModel, identify_plant
@@ -165,10 +166,13 @@ class SimControllers:
     With `config`, the pool named `pool` (or its only pool) runs exactly as in that file,
     except that the policy name picks the law and the scenario's pool name labels it;
     without, the pool of `borrowd config example` with the scenario's SLOs and batch sizes.
+    `settings` (`KEY=VALUE`, keys under the pool's `controller` table, as `--set` gives them)
+    go over either.
     """
 
     config: BorrowdConfig | None = None
     pool: str | None = None
+    settings: tuple[str, ...] = ()
 
     def names(self) -> tuple[str, ...]:
         """The registered laws, as policy names."""
@@ -177,12 +181,18 @@ class SimControllers:
     def pool_config(self, name: str, scenario: Scenario) -> PoolConfig:
         """The pool settings law `name` runs under on `scenario`."""
         if self.config is None:
-            return default_sim_pool(name, scenario)
-        chosen = self.config.pool_named(self.pool)
-        return scenario_replicas(
-            replace(chosen, name=scenario.pool, controller=replace(chosen.controller, law=name)),
-            scenario,
-        )
+            pool = default_sim_pool(name, scenario)
+        else:
+            chosen = self.config.pool_named(self.pool)
+            pool = scenario_replicas(
+                replace(chosen, name=scenario.pool,
+                        controller=replace(chosen.controller, law=name)),
+                scenario,
+            )
+        if not self.settings:
+            return pool
+        controller = with_settings(pool.controller, parse_settings(self.settings), "controller")
+        return replace(pool, controller=controller)
 
     def spec(self, name: str, scenario: Scenario, plant_path: Path | None) -> PolicySpec:
         """Policy `name` on `scenario`: engines on the priority policy, batch under the pool's

@@ -192,3 +192,52 @@ def check(value: Any, metadata: Mapping[str, Any], path: str) -> None:
         if not re.match(metadata["pattern"], value):
             rule = metadata.get("pattern_help") or f"must match {metadata['pattern']}"
             raise ConfigError(f"{path}: bad value {value!r} ({rule})")
+
+
+# ---------------------------------------------------------------------------------------------
+# Settings given on a command line (`--set pi.kp_tokens_per_s=12000`) over a built config.
+
+
+def parse_settings(items: typing.Sequence[str]) -> dict[str, Any]:
+    """`KEY=VALUE` items (dotted keys, TOML values; a bare word is a string) as a nested table;
+    ConfigError naming the item when it is not one."""
+    table: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        parts = key.strip().split(".")
+        if not sep or not all(part.strip() for part in parts):
+            raise ConfigError(
+                f"setting {item!r}: expected KEY=VALUE, e.g. pi.kp_tokens_per_s=12000")
+        try:
+            value = tomllib.loads(f"v = {text.strip()}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = text.strip()
+        node = table
+        for part in parts[:-1]:
+            child = node.setdefault(part.strip(), {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"setting {item!r}: {part.strip()} is given a value already")
+            node = child
+        node[parts[-1].strip()] = value
+    return table
+
+
+def with_settings(obj: Any, table: Mapping[str, Any], path: str) -> Any:
+    """Dataclass `obj` with the values of `table` (from `parse_settings`) put in, each
+    converted and checked as the loader checks a file's; ConfigError names `path.key`."""
+    names = {item.name for item in dataclasses.fields(obj) if item.init}
+    reject_unknown(table, names, path)
+    values: dict[str, Any] = {}
+    for key, value in table.items():
+        current = getattr(obj, key)
+        if isinstance(value, Mapping) and dataclasses.is_dataclass(current):
+            values[key] = with_settings(current, value, join(path, key))
+        else:
+            values.update(field_values(type(obj), {key: value}, path))
+    try:
+        return dataclasses.replace(obj, **values)
+    except ConfigError as exc:
+        message = str(exc)
+        raise ConfigError(message if message.startswith(path) else f"{path}: {message}") from None
+    except (BorrowdError, ValueError, TypeError) as exc:
+        raise ConfigError(f"{path}: {exc}") from None

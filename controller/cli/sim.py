@@ -54,6 +54,9 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="daemon config (TOML): closed-loop policies run its pool as `borrowd "
                         "run` would (default: the `borrowd config example` settings)")
     p.add_argument("--pool", help="pool of --config to run (needed when it has several)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="settings",
+                   help="a controller setting over the config's (keys under the pool's "
+                        "`controller` table, e.g. pi.kp_tokens_per_s=12000; repeatable)")
     p.add_argument("--scenario", default="seed",
                    help="built-in scenario (seed, seed-failure) or a scenario TOML file "
                         "(`borrowd scenario example` prints a template)")
@@ -100,11 +103,16 @@ def _scenario(args: argparse.Namespace) -> Scenario:
 
 def _controllers(args: argparse.Namespace) -> SimControllers:
     """The closed-loop policies: the pool of `--config`, or the built-in defaults."""
+    settings = tuple(args.settings)
     if args.config is None:
         if args.pool is not None:
             raise InputError("--pool needs --config (the daemon config the pool is in)")
-        return SimControllers()
-    return SimControllers(load_config(args.config), args.pool)
+        controllers = SimControllers(settings=settings)
+    else:
+        controllers = SimControllers(load_config(args.config), args.pool, settings)
+    if settings:  # a bad key or value fails here, before any run
+        controllers.pool_config("pi", _scenario(args))
+    return controllers
 
 
 def cmd_sim(args: argparse.Namespace) -> int:
