@@ -1,15 +1,17 @@
 """The control policy of one pool: a registered law in its wrappers, the supervisor, the caps.
 
-    obs -> Smoothed( UseValidated( FeedForward( GainScheduled( law ) ) ) )   law: pi | mpc | ...
+    obs -> Smoothed( UseValidated( EdgeMemory( FeedForward( GainScheduled( law ) ) ) ) )
+                                                                       law: pi | mpc | ...
         -> supervisor (modes, cuts, hysteresis, ramp, failsafe) -> Capped -> Budget
 
 Laws are looked up by name in `controller.laws.registry`; smoothing
-(`controller.laws.smoothing`), feed-forward and gain scheduling (`controller.laws.wrappers`)
-wrap whichever law is configured, and `controller.caps` derives the budget's caps from the
-supervised rate. The PI and slack laws track each output's SLO burn (share of interactive
-gaps or first tokens above the SLO over the 5% a p95 allows, smoothed): it rises smoothly
-with the batch load, where the short-window p95 ITL jumps from a decode step to a full
-prefill step.
+(`controller.laws.smoothing`), feed-forward and gain scheduling (`controller.laws.wrappers`),
+growth that slows near the last budget cut (`controller.laws.edge`) and use validation
+(`controller.laws.validation`) wrap whichever law is configured, and `controller.caps`
+derives the budget's caps from the supervised rate. The PI and slack laws track each
+output's SLO burn (share of interactive gaps or first tokens above the SLO over the 5% a p95
+allows, smoothed): it rises smoothly with the batch load, where the short-window p95 ITL
+jumps from a decode step to a full prefill step.
 
 `ControllerPolicy.step(obs, now_s, stopped=...)` is what the daemon's `PoolLoop` calls each
 tick, in production and in the simulator alike; time is passed in, nothing here reads a
@@ -24,6 +26,7 @@ from dataclasses import dataclass, field, fields, is_dataclass, replace
 from borrowd.controller.burn import BurnConfig
 from borrowd.controller.caps import Capped, CapsConfig, derive_budget
 from borrowd.controller.laws.base import OUTPUTS, Law, LawSettings, LawTick
+from borrowd.controller.laws.edge import EdgeConfig, EdgeMemory
 from borrowd.controller.laws.feedforward import FeedForwardConfig
 from borrowd.controller.laws.mpc import MpcConfig
 from borrowd.controller.laws.pi import PiConfig
@@ -139,6 +142,10 @@ class ControllerConfig:
         default_factory=ValidationConfig,
         metadata={"unit": "table", "help": "budget growth only on batch work actually carried"},
     )
+    edge: EdgeConfig = field(
+        default_factory=EdgeConfig,
+        metadata={"unit": "table", "help": "growth slows near the last budget that was cut"},
+    )
 
     def __post_init__(self) -> None:
         if self.law not in law_names():
@@ -196,12 +203,13 @@ class Decision:
 
 
 def wrapped_law(config: ControllerConfig, plant: PlantModel | None) -> Smoothed:
-    """The configured law inside its wrappers: smoothing, use validation, feed-forward, gain
-    schedule."""
+    """The configured law inside its wrappers: smoothing, use validation, edge memory,
+    feed-forward, gain schedule."""
     settings = config.law_settings(plant)
     law: Law = build_law(config.law, settings)
     law = GainScheduled(law, config.schedule, settings)
     law = FeedForward(law, config.feedforward, config.tick_s)
+    law = EdgeMemory(law, config.edge)
     law = UseValidated(law, config.validation, config.u_max_tokens_per_s)
     return Smoothed(law, config.smoothing())
 

@@ -1,0 +1,100 @@
+"""Edge memory: growth slows near the last budget that was cut, as CUBIC's near W_max."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import pytest
+from borrowd.controller.laws.base import LawTick, Proposal
+from borrowd.controller.laws.edge import (
+    Edge,
+    EdgeConfig,
+    EdgeMemory,
+    next_edge,
+    shaped_increase,
+)
+from borrowd.models.errors import ConfigError
+from borrowd.models.signals import Observation
+
+CONFIG = EdgeConfig(enabled=True, drop_frac=0.8, lookback_s=30.0, near_frac=0.8, slow_frac=0.25,
+                    memory_s=300.0)
+
+
+@pytest.mark.parametrize(("proposed", "applied", "edge", "now_s", "expected"), [
+    (12_000.0, 10_000.0, Edge(), 0.0, 12_000.0),  # no edge known: the law's own pace
+    (12_000.0, 10_000.0, Edge(20_000.0, 0.0), 10.0, 12_000.0),  # far below the edge
+    (18_000.0, 16_000.0, Edge(20_000.0, 0.0), 10.0, 16_500.0),  # near it: a quarter
+    (24_000.0, 22_000.0, Edge(20_000.0, 0.0), 10.0, 22_500.0),  # above it: a quarter too
+    (14_000.0, 16_000.0, Edge(20_000.0, 0.0), 10.0, 14_000.0),  # a decrease passes whole
+    (18_000.0, 16_000.0, Edge(20_000.0, 0.0), 301.0, 18_000.0),  # forgotten
+])
+def test_increases_slow_near_and_above_a_known_edge(
+    proposed: float, applied: float, edge: Edge, now_s: float, expected: float
+) -> None:
+    assert shaped_increase(proposed, applied, edge, now_s, CONFIG) == pytest.approx(expected)
+
+
+def test_a_drop_from_the_recent_peak_sets_the_edge_at_that_peak_once_per_lookback() -> None:
+    recent = deque([(0.0, 20_000.0), (1.0, 25_000.0), (2.0, 24_000.0)])
+    assert next_edge(Edge(), recent, 3.0, 21_000.0, CONFIG) == Edge()  # 0.84 of the peak
+    edge = next_edge(Edge(), recent, 3.0, 12_000.0, CONFIG)
+    assert edge == Edge(25_000.0, 3.0)
+    assert next_edge(edge, deque([(4.0, 12_000.0)]), 5.0, 1_000.0, CONFIG) == edge
+    later = next_edge(edge, deque([(40.0, 18_000.0)]), 41.0, 9_000.0, CONFIG)
+    assert later == Edge(18_000.0, 41.0)  # burned again lower: the edge moves down
+
+
+class Climber:
+    """A law that always asks 2000 tokens/s more than applied."""
+
+    def propose(self, tick: LawTick) -> Proposal:
+        return Proposal(tick.u_applied_tokens_per_s + 2_000.0, tick)
+
+    def applied(self, tick: LawTick, u_tokens_per_s: float) -> None:
+        pass
+
+    def state(self) -> dict[str, float]:
+        return {}
+
+
+def tick(u: float, now_s: float) -> LawTick:
+    return LawTick(Observation(now_s=now_s, age_s=0.5), (0.1, 0.1), u, 1.0)
+
+
+def test_after_a_cut_the_wrapper_returns_fast_and_plateaus_near_the_old_level() -> None:
+    law = EdgeMemory(Climber(), CONFIG)
+    u, now = 10_000.0, 0.0
+    for _ in range(10):  # climb to 30k at the law's pace
+        u = law.propose(tick(u, now)).u_tokens_per_s
+        law.applied(tick(u, now), u)
+        now += 1.0
+    assert u == pytest.approx(30_000.0) and math.isnan(law.edge.tokens_per_s)
+    law.applied(tick(u, now), 10_000.0)  # a back-off
+    assert law.edge.tokens_per_s == pytest.approx(30_000.0)
+    u = 10_000.0
+    steps = []
+    for _ in range(12):
+        now += 1.0
+        new = law.propose(tick(u, now)).u_tokens_per_s
+        steps.append(new - u)
+        law.applied(tick(new, now), new)
+        u = new
+    assert steps[0] == pytest.approx(2_000.0)  # far below the edge: full pace
+    assert steps[-1] == pytest.approx(500.0)  # at 24k and up: a quarter
+    assert law.state()["edge_tokens_per_s"] == pytest.approx(30_000.0)
+
+
+def test_disabled_the_wrapper_passes_proposals_through() -> None:
+    """Off (the default), the law's proposals pass unchanged."""
+    assert not EdgeConfig().enabled
+    law = EdgeMemory(Climber(), EdgeConfig())
+    law.edge = Edge(10_000.0, 0.0)
+    assert law.propose(tick(9_000.0, 1.0)).u_tokens_per_s == 11_000.0
+
+
+@pytest.mark.parametrize("kwargs", [{"drop_frac": 0.0}, {"slow_frac": 1.5},
+                                    {"lookback_s": 0.0}, {"memory_s": -1.0}])
+def test_bad_settings_are_refused_by_name(kwargs: dict[str, float]) -> None:
+    with pytest.raises(ConfigError, match="edge." + next(iter(kwargs))):
+        EdgeConfig(**kwargs)
