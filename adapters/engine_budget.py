@@ -15,29 +15,35 @@ from typing import TypeVar
 
 from borrowd.models.enforcement import (
     DEFAULT_MIN_BATCH_TOKENS_PER_STEP,
+    DEFAULT_STEP_GUARD_FRAC,
     INITIAL_STEP_S,
     MAX_STEP_S,
     STEP_EMA_WEIGHT,
     BudgetSource,
     StaticBudgetSource,
+    StepGuard,
     StepTimer,
     batch_seq_cap,
     batch_tokens_per_step,
     engine_share,
+    step_guard_for,
 )
 from borrowd.models.errors import ConfigError
 from borrowd.models.priority import BATCH_PRIORITY
+from borrowd.models.signals import Slo
 
 __all__ = [
     "DEFAULT_BATCH_PRIORITY",
     "DEFAULT_MIN_BATCH_TOKENS_PER_STEP",
     "DEFAULT_POLL_S",
+    "DEFAULT_STEP_GUARD_FRAC",
     "INITIAL_STEP_S",
     "MAX_STEP_S",
     "STEP_EMA_WEIGHT",
     "BudgetSource",
     "PluginConfig",
     "StaticBudgetSource",
+    "StepGuard",
     "StepTimer",
     "batch_seq_cap",
     "batch_tokens_per_step",
@@ -63,11 +69,15 @@ class PluginConfig:
     metrics_listen: tuple[str, int] | None = None
     batch_eligible: bool = True
     slo_itl_s: tuple[float, ...] = ()
+    step_guard_frac: float = DEFAULT_STEP_GUARD_FRAC
 
     def __post_init__(self) -> None:
         for slo_s in self.slo_itl_s:
             if not (math.isfinite(slo_s) and slo_s > 0):
                 raise ConfigError(f"BORROWD_SLO_ITL_S must list seconds > 0, got {slo_s!r}")
+        if not 0 <= self.step_guard_frac <= 1:
+            raise ConfigError(
+                f"BORROWD_STEP_GUARD_FRAC must be in [0, 1], got {self.step_guard_frac!r}")
         if not self.pool:
             raise ConfigError("BORROWD_POOL must name the pool whose budget this engine enforces")
         if not self.poll_s > 0:
@@ -90,7 +100,9 @@ class PluginConfig:
         this engine may not take batch and schedules none, whatever the budget),
         `BORROWD_SLO_ITL_S` (the pool's p95 ITL SLOs in seconds, comma-separated: bounds of the
         interference histogram, where the daemon reads the burn; default none, vLLM's bounds
-        only, which hold the default 50 ms)."""
+        only, which hold the default 50 ms; the smallest is the step guard's SLO),
+        `BORROWD_STEP_GUARD_FRAC` (the step guard holds steps carrying interactive decodes
+        under this x that SLO, default 1.0; 0: off)."""
         from borrowd.adapters.redis_conn import resolve_redis_url
 
         env = os.environ if env is None else env
@@ -106,7 +118,16 @@ class PluginConfig:
             metrics_listen=_env_listen(env, "BORROWD_METRICS_LISTEN"),
             batch_eligible=_env_bool(env, "BORROWD_BATCH_ELIGIBLE", True),
             slo_itl_s=_env_seconds(env, "BORROWD_SLO_ITL_S"),
+            step_guard_frac=_env_number(env, "BORROWD_STEP_GUARD_FRAC", float,
+                                        DEFAULT_STEP_GUARD_FRAC),
         )
+
+    def step_guard(self) -> StepGuard | None:
+        """The step guard this engine runs (`models.enforcement.StepGuard`): at
+        `step_guard_frac` x the smallest ITL SLO (the default 50 ms when none is given);
+        None when off."""
+        return step_guard_for(min(self.slo_itl_s, default=Slo().itl_p95_s),
+                              self.step_guard_frac)
 
 
 def _env_seconds(env: Mapping[str, str], name: str) -> tuple[float, ...]:

@@ -34,7 +34,14 @@ offset by the engine's data-parallel rank; unset: not served), `BORROWD_BATCH_EL
 batch token, so its interactive requests are scheduled as if no batch were queued),
 `BORROWD_SLO_ITL_S` (the pool's p95 ITL SLOs in seconds, comma-separated, when not the default
 50 ms: each is a bound of the interference histogram, where the daemon reads the gaps above
-the SLO).
+the SLO; the smallest is also the step guard's), `BORROWD_STEP_GUARD_FRAC` (1.0; 0: off).
+
+Step guard (`models.enforcement.StepGuard`; its SLO the smallest of `BORROWD_SLO_ITL_S`, else
+50 ms): after a step that carried
+interactive decodes and batch tokens and took longer than `BORROWD_STEP_GUARD_FRAC` x the
+SLO, the batch tokens per step are capped at 0.7 x what it carried; a step within that
+target whose batch used the whole cap grows the cap by 16 tokens. The daemon's budget acts
+on signals tens of seconds late; this inner loop acts on the next step.
 
 Each step it counts, by whether the step carried batch tokens, the interactive inter-token
 gaps it ended and the interactive queue wait it held (`adapters.interference`): vLLM's own
@@ -55,6 +62,7 @@ vLLM refuses to start.
 from __future__ import annotations
 
 import inspect
+import math
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -135,6 +143,8 @@ class BudgetEnforcement(_SchedulerBase):
                              else StaticBudgetSource())
         self.budget_source = budget_source
         self.step_timer = StepTimer()
+        self.step_guard = self.plugin_config.step_guard()
+        self._last_step_s = math.nan  # the step `observe_step_s` counted last
         self.budget: Budget | None = None
         self.batch_allowance = 0
         self.batch_seq_cap = 0
@@ -180,8 +190,10 @@ class BudgetEnforcement(_SchedulerBase):
         return request.priority >= self.batch_priority
 
     def observe_step_s(self, step_s: float) -> None:
-        """Count one step of `step_s` seconds (the simulator's profile time) as recent."""
+        """Count one step of `step_s` seconds (the simulator's profile time) as recent; the
+        next `update_from_output` without a step clock teaches it to the step guard."""
         self.step_timer.observe(step_s)
+        self._last_step_s = step_s
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         """vLLM's schedule with this step's batch allowance and sequence cap in force."""
@@ -191,6 +203,8 @@ class BudgetEnforcement(_SchedulerBase):
         self.batch_allowance = batch_tokens_per_step(
             self.budget, self.step_timer.recent_s, self.plugin_config.min_batch_tokens_per_step
         )
+        if self.step_guard is not None:
+            self.batch_allowance = self.step_guard.limit(self.batch_allowance)
         if self.batch_allowance > 0:  # room for one decode with all its speculative rows
             self.batch_allowance = max(self.batch_allowance, 1 + self.num_spec_tokens)
         self.batch_seq_cap = batch_seq_cap(self.budget)
@@ -207,20 +221,34 @@ class BudgetEnforcement(_SchedulerBase):
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         """vLLM's update, timing the step that just ended and counting its interference."""
-        if self._step_clock is None or scheduler_output.total_num_scheduled_tokens == 0:
+        if scheduler_output.total_num_scheduled_tokens == 0:
             return super().update_from_output(scheduler_output, model_runner_output)
-        now_s = self._step_clock()
-        self.step_timer.finished(now_s)
+        if self._step_clock is None:
+            now_s, step_s = math.nan, self._last_step_s
+            self._last_step_s = math.nan
+        else:
+            now_s = self._step_clock()
+            step_s = nan_if_none(self.step_timer.finished(now_s))
         scheduled = [
-            (req, req.num_output_tokens) for rid in scheduler_output.num_scheduled_tokens
+            (req, req.num_output_tokens, n)
+            for rid, n in scheduler_output.num_scheduled_tokens.items()
             if (req := self.requests.get(rid)) is not None
         ]
         out = super().update_from_output(scheduler_output, model_runner_output)
+        if self.step_guard is not None and math.isfinite(step_s):
+            self.step_guard.observe(
+                step_s,
+                sum(n for req, _, n in scheduled if self.is_batch(req)),
+                sum(1 for req, before, _ in scheduled
+                    if not self.is_batch(req) and 0 < before < req.num_output_tokens),
+            )
+        if self._step_clock is None:
+            return out
         if self.attribution is not None:
             self.attribution.finished(
                 now_s,
                 [StepRequest(req.request_id, self.is_batch(req), req.num_output_tokens > before,
-                             req.num_output_tokens == 0) for req, before in scheduled],
+                             req.num_output_tokens == 0) for req, before, _ in scheduled],
                 sum(1 for req in self.waiting if not self.is_batch(req)),
                 self.requests,
             )
@@ -282,6 +310,11 @@ class BudgetEnforcement(_SchedulerBase):
             self._watcher.stop()
             self._watcher = None
         super().shutdown()
+
+
+def nan_if_none(value: float | None) -> float:
+    """`value`, or NaN for None."""
+    return math.nan if value is None else value
 
 
 def _kv_tokens(request: Request) -> int:

@@ -117,12 +117,75 @@ class StepTimer:
         """A step was scheduled at `now_s`."""
         self._started.append(now_s)
 
-    def finished(self, now_s: float) -> None:
-        """The oldest scheduled step's output arrived at `now_s`."""
-        if self._started:
-            self.observe(now_s - self._started.popleft())
+    def finished(self, now_s: float) -> float | None:
+        """The oldest scheduled step's output arrived at `now_s`; returns its duration
+        (None: no step was started)."""
+        if not self._started:
+            return None
+        step_s = now_s - self._started.popleft()
+        self.observe(step_s)
+        return step_s
 
     def observe(self, step_s: float) -> None:
         """Fold one step's duration into the recent step time."""
         step_s = min(max(step_s, 0.0), MAX_STEP_S)
         self.recent_s += STEP_EMA_WEIGHT * (step_s - self.recent_s)
+
+
+DEFAULT_STEP_GUARD_FRAC = 1.0  # steps carrying interactive decodes held under this x ITL SLO
+STEP_GUARD_DECREASE = 0.7  # the cap after a slow step: this share of the batch tokens carried
+STEP_GUARD_INCREASE_TOKENS = 16  # the cap's growth after a fast step that used all of it
+
+
+class StepGuard:
+    """A per-step batch token cap that keeps the steps interactive decodes wait on under
+    `target_s`: the engine's own inner loop, with no delay.
+
+    The daemon's budget acts on signals scraped, evaluated and windowed tens of seconds
+    late; the engine times every step itself, and a step that carries interactive decodes is
+    one inter-token gap of each of them. After such a step that took longer than `target_s`
+    while it carried batch tokens, the cap falls to `decrease` x the batch tokens it
+    carried; after one within the target whose batch used the whole cap, it grows by
+    `increase_tokens` (additive increase, multiplicative decrease, as TCP per round trip; the
+    round trip here is one step). A decode of a long batch context costs step time at one
+    token, so the cap prices it as measured. Steps without interactive decodes teach it
+    nothing. It starts unbounded (the rate allowance alone holds until a step is slow) and
+    never falls below one token a step, so batch work in flight always progresses.
+    """
+
+    def __init__(self, target_s: float, *, decrease: float = STEP_GUARD_DECREASE,
+                 increase_tokens: int = STEP_GUARD_INCREASE_TOKENS) -> None:
+        if not (math.isfinite(target_s) and target_s > 0):
+            raise ValueError(f"step guard target must be > 0 s, got {target_s!r}")
+        if not 0 < decrease < 1 or increase_tokens < 1:
+            raise ValueError("step guard needs decrease in (0, 1) and increase_tokens >= 1, "
+                             f"got {decrease!r}, {increase_tokens!r}")
+        self.target_s = target_s
+        self.decrease = decrease
+        self.increase_tokens = increase_tokens
+        self.cap_tokens = math.inf
+
+    def limit(self, allowance_tokens: int) -> int:
+        """`allowance_tokens` (the rate's allowance for the step) within the cap; an
+        allowance of 0 (no record, revoked) stays 0."""
+        if allowance_tokens <= 0 or math.isinf(self.cap_tokens):
+            return allowance_tokens
+        return min(allowance_tokens, max(1, math.floor(self.cap_tokens)))
+
+    def observe(self, step_s: float, batch_tokens: int, interactive_gaps: int) -> None:
+        """Learn from one finished step: its duration, the batch tokens it carried and how
+        many interactive decode tokens (inter-token gaps) waited on it."""
+        if interactive_gaps <= 0 or batch_tokens <= 0:
+            return
+        if step_s > self.target_s:
+            self.cap_tokens = max(1.0, self.decrease * batch_tokens)
+        elif batch_tokens > self.cap_tokens - 1:  # it used the whole (floored) cap
+            self.cap_tokens += self.increase_tokens
+
+
+def step_guard_for(slo_itl_s: float, frac: float) -> StepGuard | None:
+    """The guard holding steps to `frac` x the ITL SLO; None when `frac` is 0 (off) or no
+    SLO is known."""
+    if frac <= 0 or not (math.isfinite(slo_itl_s) and slo_itl_s > 0):
+        return None
+    return StepGuard(frac * slo_itl_s)

@@ -75,6 +75,7 @@ from dataclasses import dataclass, field
 from borrowd.models.budget import Budget
 from borrowd.models.enforcement import (
     DEFAULT_MIN_BATCH_TOKENS_PER_STEP,
+    StepGuard,
     StepTimer,
     batch_tokens_per_step,
 )
@@ -238,6 +239,7 @@ class Engine:
         self._batch_limited = False
         self._batch_budget: Budget | None = None
         self._step_timer = StepTimer()
+        self._guard: StepGuard | None = None
         self.min_batch_tokens_per_step = DEFAULT_MIN_BATCH_TOKENS_PER_STEP
         self._pool: BlockPool | None = (
             BlockPool(config.num_gpu_blocks, config.block_size)
@@ -334,9 +336,18 @@ class Engine:
         """Batch tokens the next step may schedule; None when no per-step limit is set."""
         if not self._batch_limited:
             return None
-        return batch_tokens_per_step(
-            self._batch_budget, self._step_timer.recent_s, self.min_batch_tokens_per_step
+        return self._allowance(self._step_timer.recent_s)
+
+    def set_step_guard(self, guard: StepGuard | None) -> None:
+        """Hold batch to the plugin's step guard as well (`models.enforcement.StepGuard`;
+        None: no guard), under the per-step limit."""
+        self._guard = guard
+
+    def _allowance(self, recent_s: float) -> int:
+        allowance = batch_tokens_per_step(
+            self._batch_budget, recent_s, self.min_batch_tokens_per_step
         )
+        return allowance if self._guard is None else self._guard.limit(allowance)
 
     def has_work(self) -> bool:
         """True while any request is running or waiting."""
@@ -604,6 +615,8 @@ class Engine:
             if out_tokens >= req.max_output_tokens:
                 finished.append(req)
         itok = out.total_num_scheduled_tokens - btok
+        if self._guard is not None:
+            self._guard.observe(duration, btok, steady + len(itl_other))
         if finished:
             pool = self._pool
             for req in finished:
@@ -695,9 +708,7 @@ class Engine:
             # The recent step time only moves towards the span's steps (>= `first`), so
             # this allowance holds for every step of the span.
             recent_s = min(self._step_timer.recent_s, first)
-            if n_batch > batch_tokens_per_step(
-                self._batch_budget, recent_s, self.min_batch_tokens_per_step
-            ):
+            if n_batch > self._allowance(recent_s):
                 return None
         horizon = until_s - start_s
         # The first k steps end at first*k + growth*k*(k-1)/2 <= horizon, so an observer at
@@ -710,6 +721,14 @@ class Engine:
         while k > 0 and first * k + growth * k * (k - 1) / 2 > horizon:
             k -= 1
         k = min(max_k, k)
+        guard = self._guard
+        if guard is not None and n_batch and self._running_count[INTERACTIVE]:
+            # The step guard would cut after a step past its target: plan only the steps
+            # within it (step by step from there).
+            if first > guard.target_s:
+                return None
+            if growth > 0:
+                k = min(k, int((guard.target_s - first) / growth) + 1)
         if k < 2:
             return None
         bs = cfg.block_size
@@ -733,6 +752,14 @@ class Engine:
             timer = self._step_timer
             for j in range(min(k, SPAN_TIMED_STEPS)):
                 timer.observe(first + growth * (k - min(k, SPAN_TIMED_STEPS) + j))
+            guard = self._guard
+            if guard is not None:
+                # Every step of the span is within the target (`plan_decode_span`) and
+                # carries the same tokens: the cap grows at most once.
+                n_batch_span = self._running_count[BATCH]
+                n_inter_span = self._running_count[INTERACTIVE]
+                for j in range(min(k, 2)):
+                    guard.observe(first + growth * j, n_batch_span, n_inter_span)
         bs = self.config.block_size
         bs_1 = bs - 1
         running = self.running

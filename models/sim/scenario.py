@@ -23,7 +23,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from borrowd.models.enforcement import ADMISSION, ENFORCEMENTS
+from borrowd.models.enforcement import ADMISSION, DEFAULT_STEP_GUARD_FRAC, ENFORCEMENTS
 from borrowd.models.errors import InputError
 from borrowd.models.priority import BATCH_PRIORITY
 from borrowd.models.signals import Slo
@@ -124,6 +124,10 @@ class Scenario:
     evaluation_interval_s: float = 5.0
     calibration_s: float = 3600.0
     enforcement: str = ADMISSION
+    # Under engine enforcement, the plugin's step guard holds steps carrying interactive
+    # decodes under this x the ITL SLO (`models.enforcement.StepGuard`; 0: off), as a plugin
+    # given BORROWD_SLO_ITL_S and BORROWD_STEP_GUARD_FRAC does.
+    step_guard_frac: float = DEFAULT_STEP_GUARD_FRAC
     jobs: JobsSpec | None = None  # batch jobs (`models.sim.jobs_spec`): the batch demand
 
     def __post_init__(self) -> None:
@@ -139,6 +143,8 @@ class Scenario:
             raise InputError(
                 f"enforcement must be one of {', '.join(ENFORCEMENTS)}, got {self.enforcement!r}"
             )
+        if not 0 <= self.step_guard_frac <= 1:
+            raise InputError(f"step_guard_frac must be in [0, 1], got {self.step_guard_frac!r}")
         if self.failure is not None and not 0 <= self.failure.replica < self.replicas:
             raise InputError(
                 f"failure.replica must be < replicas ({self.replicas}), "
@@ -251,6 +257,9 @@ KEYS: tuple[Key, ...] = (
         choices=ROUTERS),
     Key("enforcement", str, "batch budget enforced by the admission gate, or the gate plus "
         "the engine plugin's per-step limit", "scenario.enforcement", choices=ENFORCEMENTS),
+    Key("step_guard_frac", float, "under engine enforcement, the plugin's step guard holds "
+        "steps carrying interactive decodes under this x the ITL SLO (0: off)",
+        "scenario.step_guard_frac", low=0, high=1),
     Key("ttft_timeout_s", float, "an interactive request waiting longer than this for its "
         "first token fails (s)", "scenario.ttft_timeout_s", low=0, low_open=True),
     Key("window_s", float, "length of the SLO verdict windows (s)", "scenario.window_s",

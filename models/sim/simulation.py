@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from borrowd.models.budget import Budget
-from borrowd.models.enforcement import ENGINE, engine_share
+from borrowd.models.enforcement import ENGINE, engine_share, step_guard_for
 from borrowd.models.errors import InputError
 from borrowd.models.protocols import TickLoop
 from borrowd.models.signals import Observation
@@ -214,6 +214,8 @@ class Simulation:
                         f"enforcement {ENGINE!r} needs the native engine core, not {engine!r}"
                     )
                 e.set_batch_budget(None)
+                e.set_step_guard(  # type: ignore[attr-defined]
+                    step_guard_for(scenario.slo.itl_p95_s, scenario.step_guard_frac))
         self.rec = metrics.Recorder(self.duration_s)
         # Interactive figures per replica group (batch-eligible, other) when batch is
         # restricted, so a run shows the replicas without batch apart.

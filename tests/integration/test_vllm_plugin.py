@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -111,6 +112,33 @@ def test_plugin_holds_batch_to_rate_times_step_time(store: BudgetStore) -> None:
         assert 0 < tokens <= allowance_before + 1
     assert sched.step_timer.recent_s == pytest.approx(STEP_S, rel=0.01)
     assert done > 35 * 900
+
+
+@pytest.mark.parametrize(("slo_itl_s", "frac", "guarded"), [
+    ("0.04", "", True), ("", "0.9", True), ("", "0", False), ("0.1", "", False),
+], ids=["slo-40ms", "default-slo-50ms-at-0.9", "guard-off", "slo-100ms-steps-fast-enough"])
+def test_step_guard_cuts_batch_while_interactive_decodes_wait(
+    store: BudgetStore, monkeypatch: pytest.MonkeyPatch, slo_itl_s: str, frac: str,
+    guarded: bool,
+) -> None:
+    """Under an ITL SLO of 40 ms (or the default 50 ms with the guard at 0.9) every 50 ms
+    step that carries an interactive decode and batch is past the guard's target: the batch tokens per step
+    fall by 0.7 a step to the one-token floor, and batch still progresses. With the guard
+    off, or steps within its target, the rate allowance alone holds."""
+    monkeypatch.setenv("BORROWD_SLO_ITL_S", slo_itl_s)
+    monkeypatch.setenv("BORROWD_STEP_GUARD_FRAC", frac)
+    _publish(store, _budget(20_000.0))
+    sched = _plugin()
+    assert (sched.step_guard is not None) == (frac != "0")
+    h.add(sched, "i0", 200, 400, priority=h.INTERACTIVE_PRIORITY)
+    h.add(sched, "b0", 32768, 16, priority=h.BATCH_PRIORITY)
+    per_step = [_batch_tokens(h.step(sched)) for _ in range(30)]
+    assert all(tokens > 0 for tokens in per_step)
+    if guarded:
+        assert per_step[-1] == 1
+        assert all(b <= a for a, b in itertools.pairwise(per_step[2:]))
+    else:
+        assert per_step[-1] >= 0.95 * 20_000.0 * STEP_S
 
 
 def test_missing_record_means_zero_batch_tokens(store: BudgetStore) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from borrowd.adapters.engine_budget import (
     MAX_STEP_S,
@@ -13,6 +15,7 @@ from borrowd.adapters.engine_budget import (
     engine_share,
 )
 from borrowd.models.budget import Budget, Mode, closed_budget
+from borrowd.models.enforcement import STEP_GUARD_INCREASE_TOKENS, StepGuard, step_guard_for
 from borrowd.models.errors import ConfigError
 
 
@@ -138,3 +141,76 @@ def test_batch_eligible_must_be_a_boolean() -> None:
     """A value that is not true or false stops start-up naming the variable."""
     with pytest.raises(ConfigError, match="BORROWD_BATCH_ELIGIBLE must be true or false, got"):
         PluginConfig.from_env({"BORROWD_POOL": "chat", "BORROWD_BATCH_ELIGIBLE": "maybe"})
+
+
+def test_step_guard_is_unbounded_until_a_slow_step_carries_batch() -> None:
+    """The guard leaves the rate's allowance alone until a step past its target that carried
+    both interactive decodes and batch tokens; 0 stays 0 (no record, revoked)."""
+    guard = StepGuard(0.01)
+    assert guard.limit(5000) == 5000
+    guard.observe(0.05, batch_tokens=0, interactive_gaps=8)  # nothing batch could give back
+    guard.observe(0.05, batch_tokens=400, interactive_gaps=0)  # nobody waited on it
+    assert guard.limit(5000) == 5000
+    guard.observe(0.012, batch_tokens=400, interactive_gaps=8)
+    assert guard.limit(5000) == 280  # 0.7 x the 400 carried
+    assert guard.limit(100) == 100
+    assert guard.limit(0) == 0
+
+
+def test_step_guard_grows_only_on_fast_steps_that_used_the_whole_cap() -> None:
+    """Additive increase after a step within the target whose batch used the whole cap;
+    a step that left part of the cap unused grows nothing (use validation)."""
+    guard = StepGuard(0.01)
+    guard.observe(0.02, batch_tokens=100, interactive_gaps=3)
+    assert guard.limit(10**6) == 70
+    guard.observe(0.008, batch_tokens=70, interactive_gaps=3)
+    assert guard.limit(10**6) == 70 + STEP_GUARD_INCREASE_TOKENS
+    guard.observe(0.008, batch_tokens=20, interactive_gaps=3)
+    assert guard.limit(10**6) == 70 + STEP_GUARD_INCREASE_TOKENS
+
+
+def test_step_guard_keeps_one_token_a_step() -> None:
+    """However slow the steps, batch in flight keeps at least one token a step."""
+    guard = StepGuard(0.001)
+    for _ in range(20):
+        guard.observe(0.5, batch_tokens=1, interactive_gaps=1)
+    assert guard.limit(5000) == 1
+
+
+@pytest.mark.parametrize(("slo_s", "frac", "target_s"), [
+    (0.05, 0.9, 0.045), (0.05, 0.0, None), (math.nan, 0.9, None), (0.0, 0.9, None),
+], ids=["on", "off", "no-slo", "zero-slo"])
+def test_step_guard_for(slo_s: float, frac: float, target_s: float | None) -> None:
+    """A guard at frac x the ITL SLO; none when switched off or without an SLO."""
+    guard = step_guard_for(slo_s, frac)
+    if target_s is None:
+        assert guard is None
+    else:
+        assert guard is not None and guard.target_s == pytest.approx(target_s)
+
+
+def test_step_guard_rejects_bad_settings() -> None:
+    """A target that is not a positive duration is refused with its value."""
+    with pytest.raises(ValueError, match="step guard target"):
+        StepGuard(0.0)
+
+
+@pytest.mark.parametrize(("env", "target_s"), [
+    ({}, 0.05), ({"BORROWD_SLO_ITL_S": "0.05,0.02"}, 0.02),
+    ({"BORROWD_SLO_ITL_S": "0.03", "BORROWD_STEP_GUARD_FRAC": "0.5"}, 0.015),
+    ({"BORROWD_STEP_GUARD_FRAC": "0"}, None),
+], ids=["default-slo", "smallest-slo", "frac", "off"])
+def test_plugin_step_guard_from_env(env: dict[str, str], target_s: float | None) -> None:
+    """The plugin guards steps at BORROWD_STEP_GUARD_FRAC (1.0) x its smallest ITL SLO (50 ms
+    unless BORROWD_SLO_ITL_S says); 0 switches it off."""
+    guard = PluginConfig.from_env({"BORROWD_POOL": "p", **env}).step_guard()
+    if target_s is None:
+        assert guard is None
+    else:
+        assert guard is not None and guard.target_s == pytest.approx(target_s)
+
+
+def test_plugin_rejects_a_step_guard_frac_out_of_range() -> None:
+    """BORROWD_STEP_GUARD_FRAC outside [0, 1] is one error naming the variable."""
+    with pytest.raises(ConfigError, match="BORROWD_STEP_GUARD_FRAC must be in"):
+        PluginConfig.from_env({"BORROWD_POOL": "p", "BORROWD_STEP_GUARD_FRAC": "1.5"})

@@ -11,6 +11,7 @@ import pytest
 from borrowd.controller.cli import main
 from borrowd.controller.laws.pi import PiLaw
 from borrowd.models.budget import Budget, Mode, closed_budget
+from borrowd.models.enforcement import StepGuard
 from borrowd.models.errors import InputError
 from borrowd.models.sim.engine import Engine, EngineConfig
 from borrowd.models.sim.policies import static_budget
@@ -135,3 +136,41 @@ def test_controller_itl_burn_setpoint_follows_the_enforcement(enforcement: str,
     assert config.enforcement == enforcement
     law = PiLaw(config.law_settings(None))
     assert law.burn_setpoints[1] == setpoint
+
+
+def slow_shared_steps(seen: list[tuple[int, int, int | None, float]], target_s: float) -> int:
+    """Steps past `target_s` that carried interactive and batch tokens together."""
+    return sum(1 for i, b, _, d in seen if i > 0 and b > 0 and d > target_s)
+
+
+def run_timed(engine: Engine, seed: int) -> list[tuple[int, int, int | None, float]]:
+    """`run_mix` with each step's duration."""
+    rng = random.Random(seed)
+    now, seen = 0.0, []
+    for step in range(1500):
+        if rng.random() < 0.2:
+            feed(engine, rng, step, now, (INTERACTIVE, BATCH))
+        allowance = engine.batch_step_allowance()
+        res = engine.step(now)
+        if res is None:
+            now += 0.01
+            continue
+        seen.append((res.interactive_tokens, res.batch_tokens, allowance, res.duration_s))
+        now = res.end_s
+    return seen
+
+
+def test_step_guard_holds_shared_steps_under_its_target() -> None:
+    """With the plugin's step guard, steps that carry interactive decodes and batch pass the
+    target far less often than under the rate allowance alone, and batch still runs within
+    the (guarded) allowance of every step."""
+    target_s = 0.03
+    plain, guarded = make_engine(), make_engine()
+    for engine in (plain, guarded):
+        engine.set_batch_budget(static_budget(SEED, 200_000.0))
+    guarded.set_step_guard(StepGuard(target_s))
+    free = run_timed(plain, 21)
+    held = run_timed(guarded, 21)
+    assert slow_shared_steps(free, target_s) > 2 * max(1, slow_shared_steps(held, target_s))
+    assert sum(b for _, b, _, _ in held) > 0
+    assert all(a is not None and b <= a for _, b, a, _ in held)

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 from borrowd.models.budget import Budget, Mode, closed_budget
+from borrowd.models.enforcement import ADMISSION, ENGINE
+from borrowd.models.signals import Slo
 from borrowd.models.sim.engine import Engine, EngineConfig
 from borrowd.models.sim.policies import PolicySpec, parse_policy, static_budget
 from borrowd.models.sim.profiles import H100_LLAMA3_8B
@@ -240,13 +242,19 @@ def test_fixed_rate_batch_submission() -> None:
     assert s["interactive"]["slo_windows_met_frac"] == 1.0
 
 
-@pytest.mark.parametrize("policy", ["none", "static:30000"], ids=["interactive", "with-batch"])
-def test_decode_spans_change_no_figure(policy: str) -> None:
-    """Runs with closed-form decode spans give the figures of step-by-step runs."""
-    trace, lengths = load_inputs(SEED)
+@pytest.mark.parametrize(("policy", "enforcement"), [
+    ("none", ADMISSION), ("static:30000", ADMISSION), ("static:30000", ENGINE),
+], ids=["interactive", "with-batch", "engine-plugin-and-step-guard"])
+def test_decode_spans_change_no_figure(policy: str, enforcement: str) -> None:
+    """Runs with closed-form decode spans give the figures of step-by-step runs (under the
+    engine plugin too, whose step guard cuts spans at its target)."""
+    # A 12 ms ITL SLO puts the guard's target inside the decode spans of this load.
+    scenario = (SEED.with_overrides(enforcement=enforcement, slo=Slo(itl_p95_s=0.012))
+                if enforcement == ENGINE else SEED)
+    trace, lengths = load_inputs(scenario)
     out = []
     for spans in (False, True):
-        sim = Simulation(SEED, parse_policy(policy, SEED), duration_s=120.0, seed=4,
+        sim = Simulation(scenario, parse_policy(policy, scenario), duration_s=120.0, seed=4,
                          trace=trace, rate_scale=SEED_RATE_SCALE, lengths=lengths)
         sim._spans = spans
         summary = sim.run().summary()
