@@ -26,8 +26,9 @@
              into open after a cut, into ramp on a cold start
     stopped  budget 0 while the operator's stop switch is set; left into closed
     failsafe budget at the floor (0 by default) while any required signal is missing, NaN or
-             stale; left into closed. A window without interactive traffic is not missing:
-             nothing to protect is a safe reading
+             stale; left into closed. A window without interactive traffic, or with too
+             few samples for a p95 (`models.signals.sparse`), is not missing: nothing to
+             protect is a safe reading, and the burn reads what few samples there are
 
 Where the policy passes burn readings (`controller.burn`: sample counts, Wilson bounds, fast
 and slow windows), a burn cuts as multiwindow burn-rate alerting pages: the fast window must
@@ -265,9 +266,9 @@ NO_BURNS: Burns = (None, None)
 def missing_signals(obs: Observation, config: SupervisorConfig) -> list[str]:
     """Required signals that are NaN, and 'age' when the observation is stale.
 
-    A per-request signal that is NaN because its window held no interactive sample (no
-    first token for TTFT, no inter-token gap for ITL, no request for the success rate) is
-    not missing: no traffic is a safe reading.
+    A per-request signal that is NaN because its window held no interactive sample, or too
+    few for a p95 (`models.signals.sparse`: first tokens for TTFT, inter-token gaps for
+    ITL; no request for the success rate) is not missing: no traffic is a safe reading.
     """
     idle = {
         "ttft_p95_s": obs.ttft_idle(),

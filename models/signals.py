@@ -22,6 +22,20 @@ class Slo:
     success_rate: float = 0.99
 
 
+SPARSE_SAMPLES = 5.0  # fewer samples than this in a window that yields no p95: sparse traffic
+
+
+def sparse(samples: float, interactive_requests: float) -> bool:
+    """True when a p95 read as missing comes from too few samples rather than a broken
+    signal: fewer than `SPARSE_SAMPLES` counted (the count is read over the burn window,
+    which ends at the last scrape, later than the p95's rules window: a first token or two
+    there while the p95's window held none is sparse traffic), or, with no count read, no
+    interactive request in the window. A NaN count with traffic is missing."""
+    if math.isfinite(samples):
+        return samples < SPARSE_SAMPLES
+    return interactive_requests == 0
+
+
 @dataclass(frozen=True)
 class Observation:
     """Signals of one pool over the controller's sliding window, ending at `now_s`.
@@ -80,16 +94,14 @@ class Observation:
         return self.itl_p95_s / slo.itl_p95_s
 
     def itl_idle(self) -> bool:
-        """True when the window held no interactive inter-token gap (nothing to measure)."""
-        return self.itl_samples == 0 or (
-            math.isnan(self.itl_samples) and self.interactive_requests == 0
-        )
+        """True when a missing p95 ITL means sparse traffic, not a broken signal: the
+        gaps counted are fewer than `SPARSE_SAMPLES` (see `sparse`)."""
+        return sparse(self.itl_samples, self.interactive_requests)
 
     def ttft_idle(self) -> bool:
-        """True when the window held no interactive first token (nothing to measure)."""
-        return self.ttft_samples == 0 or (
-            math.isnan(self.ttft_samples) and self.interactive_requests == 0
-        )
+        """True when a missing p95 TTFT means sparse traffic, not a broken signal: the
+        first tokens counted are fewer than `SPARSE_SAMPLES` (see `sparse`)."""
+        return sparse(self.ttft_samples, self.interactive_requests)
 
     def itl_burn(self) -> float:
         """Share of inter-token gaps above the ITL SLO over the share the p95 allows (1.0: edge)."""

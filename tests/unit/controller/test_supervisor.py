@@ -150,6 +150,23 @@ def test_failsafe_never_opens_on_missing_metrics():
         assert decision.mode == Mode.FAILSAFE and decision.u == 0.0
 
 
+@pytest.mark.parametrize(("samples", "requests", "mode"), [
+    (0.0, 3.0, Mode.OPEN), (2.0, 3.0, Mode.OPEN), (math.nan, 0.0, Mode.OPEN),
+    (40.0, 3.0, Mode.FAILSAFE), (math.nan, 3.0, Mode.FAILSAFE),
+], ids=["none-counted", "two-first-tokens-counted-after-the-rules-window",
+        "no-count-no-request", "many-counted-but-no-p95", "no-count-with-traffic"])
+def test_a_missing_p95_from_sparse_traffic_is_not_a_failsafe(
+    samples: float, requests: float, mode: Mode
+) -> None:
+    """A p95 TTFT read as NaN is sparse traffic (a safe reading) when its window counted
+    fewer than a handful of first tokens (the count's window ends at the last scrape, after
+    the p95's rules window: one or two there is no broken signal); with many counted, or
+    with traffic and no count at all, it is missing."""
+    observed = obs(ttft_p95_s=math.nan, ttft_samples=samples, interactive_requests=requests)
+    decision = supervise(CFG, OPEN, observed, SLO, 4000.0, 1.0, 0.0)
+    assert decision.mode == mode
+
+
 def reading(burn: float, lower: float, slow: float, batch_share: float = math.nan) -> BurnReading:
     """A burn reading with the given fast burn, its lower bound and the slow burn."""
     return BurnReading(burn=burn, lower=lower, upper=burn * 1.5, samples=500.0, window_s=10.0,
