@@ -102,7 +102,7 @@ class PluginConfig:
         interference histogram, where the daemon reads the burn; default none, vLLM's bounds
         only, which hold the default 50 ms; the smallest is the step guard's SLO),
         `BORROWD_STEP_GUARD_FRAC` (the step guard holds steps carrying interactive decodes
-        under this x that SLO, default 1.0; 0: off)."""
+        under this x that SLO, default 0.9; 0: off)."""
         from borrowd.adapters.redis_conn import resolve_redis_url
 
         env = os.environ if env is None else env

@@ -34,7 +34,7 @@ offset by the engine's data-parallel rank; unset: not served), `BORROWD_BATCH_EL
 batch token, so its interactive requests are scheduled as if no batch were queued),
 `BORROWD_SLO_ITL_S` (the pool's p95 ITL SLOs in seconds, comma-separated, when not the default
 50 ms: each is a bound of the interference histogram, where the daemon reads the gaps above
-the SLO; the smallest is also the step guard's), `BORROWD_STEP_GUARD_FRAC` (1.0; 0: off).
+the SLO; the smallest is also the step guard's), `BORROWD_STEP_GUARD_FRAC` (0.9; 0: off).
 
 Step guard (`models.enforcement.StepGuard`; its SLO the smallest of `BORROWD_SLO_ITL_S`, else
 50 ms): after a step that carried

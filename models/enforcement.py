@@ -132,7 +132,7 @@ class StepTimer:
         self.recent_s += STEP_EMA_WEIGHT * (step_s - self.recent_s)
 
 
-DEFAULT_STEP_GUARD_FRAC = 1.0  # steps carrying interactive decodes held under this x ITL SLO
+DEFAULT_STEP_GUARD_FRAC = 0.9  # steps carrying interactive decodes held under this x ITL SLO
 STEP_GUARD_DECREASE = 0.7  # the cap after a slow step: this share of the batch tokens carried
 STEP_GUARD_INCREASE_TOKENS = 16  # the cap's growth after a fast step that used all of it
 

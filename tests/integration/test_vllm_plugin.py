@@ -115,14 +115,14 @@ def test_plugin_holds_batch_to_rate_times_step_time(store: BudgetStore) -> None:
 
 
 @pytest.mark.parametrize(("slo_itl_s", "frac", "guarded"), [
-    ("0.04", "", True), ("", "0.9", True), ("", "0", False), ("0.1", "", False),
-], ids=["slo-40ms", "default-slo-50ms-at-0.9", "guard-off", "slo-100ms-steps-fast-enough"])
+    ("0.04", "", True), ("", "", True), ("", "0", False), ("0.1", "", False),
+], ids=["slo-40ms", "default-slo-50ms", "guard-off", "slo-100ms-steps-fast-enough"])
 def test_step_guard_cuts_batch_while_interactive_decodes_wait(
     store: BudgetStore, monkeypatch: pytest.MonkeyPatch, slo_itl_s: str, frac: str,
     guarded: bool,
 ) -> None:
-    """Under an ITL SLO of 40 ms (or the default 50 ms with the guard at 0.9) every 50 ms
-    step that carries an interactive decode and batch is past the guard's target: the batch tokens per step
+    """Under an ITL SLO of 40 ms (or the default 50 ms) every 50 ms step that carries an
+    interactive decode and batch is past the guard's 0.9 x SLO: the batch tokens per step
     fall by 0.7 a step to the one-token floor, and batch still progresses. With the guard
     off, or steps within its target, the rate allowance alone holds."""
     monkeypatch.setenv("BORROWD_SLO_ITL_S", slo_itl_s)

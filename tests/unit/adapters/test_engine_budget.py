@@ -196,12 +196,12 @@ def test_step_guard_rejects_bad_settings() -> None:
 
 
 @pytest.mark.parametrize(("env", "target_s"), [
-    ({}, 0.05), ({"BORROWD_SLO_ITL_S": "0.05,0.02"}, 0.02),
+    ({}, 0.045), ({"BORROWD_SLO_ITL_S": "0.05,0.02"}, 0.018),
     ({"BORROWD_SLO_ITL_S": "0.03", "BORROWD_STEP_GUARD_FRAC": "0.5"}, 0.015),
     ({"BORROWD_STEP_GUARD_FRAC": "0"}, None),
 ], ids=["default-slo", "smallest-slo", "frac", "off"])
 def test_plugin_step_guard_from_env(env: dict[str, str], target_s: float | None) -> None:
-    """The plugin guards steps at BORROWD_STEP_GUARD_FRAC (1.0) x its smallest ITL SLO (50 ms
+    """The plugin guards steps at BORROWD_STEP_GUARD_FRAC (0.9) x its smallest ITL SLO (50 ms
     unless BORROWD_SLO_ITL_S says); 0 switches it off."""
     guard = PluginConfig.from_env({"BORROWD_POOL": "p", **env}).step_guard()
     if target_s is None:
