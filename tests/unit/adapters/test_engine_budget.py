@@ -177,16 +177,20 @@ def test_step_guard_keeps_one_token_a_step() -> None:
     assert guard.limit(5000) == 1
 
 
+def assert_guard_target(guard: StepGuard | None, target_s: float | None) -> None:
+    """`guard` is None when `target_s` is, else a guard at `target_s`."""
+    if target_s is None:
+        assert guard is None
+    else:
+        assert guard is not None and guard.target_s == pytest.approx(target_s)
+
+
 @pytest.mark.parametrize(("slo_s", "frac", "target_s"), [
     (0.05, 0.9, 0.045), (0.05, 0.0, None), (math.nan, 0.9, None), (0.0, 0.9, None),
 ], ids=["on", "off", "no-slo", "zero-slo"])
 def test_step_guard_for(slo_s: float, frac: float, target_s: float | None) -> None:
     """A guard at frac x the ITL SLO; none when switched off or without an SLO."""
-    guard = step_guard_for(slo_s, frac)
-    if target_s is None:
-        assert guard is None
-    else:
-        assert guard is not None and guard.target_s == pytest.approx(target_s)
+    assert_guard_target(step_guard_for(slo_s, frac), target_s)
 
 
 def test_step_guard_rejects_bad_settings() -> None:
@@ -203,11 +207,8 @@ def test_step_guard_rejects_bad_settings() -> None:
 def test_plugin_step_guard_from_env(env: dict[str, str], target_s: float | None) -> None:
     """The plugin guards steps at BORROWD_STEP_GUARD_FRAC (0.9) x its smallest ITL SLO (50 ms
     unless BORROWD_SLO_ITL_S says); 0 switches it off."""
-    guard = PluginConfig.from_env({"BORROWD_POOL": "p", **env}).step_guard()
-    if target_s is None:
-        assert guard is None
-    else:
-        assert guard is not None and guard.target_s == pytest.approx(target_s)
+    assert_guard_target(PluginConfig.from_env({"BORROWD_POOL": "p", **env}).step_guard(),
+                        target_s)
 
 
 def test_plugin_rejects_a_step_guard_frac_out_of_range() -> None:
