@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 from borrowd.controller.closed_loop import SimControllers, example_pool
 from borrowd.models.config_loader import parse_settings, with_settings
-from borrowd.models.enforcement import ADMISSION, ENGINE
+from borrowd.models.enforcement import ADMISSION, DEFAULT_STEP_GUARD_FRAC, ENGINE
 from borrowd.models.errors import ConfigError, InputError
 from borrowd.models.signals import Slo
 from borrowd.models.sim.run import calibrate_rate_scale, run_scenario
@@ -103,8 +103,10 @@ def cache_dir() -> Path:
     return (Path(base) if base else Path.home() / ".cache" / "borrowd") / "shapes"
 
 
-def base_scenario(shape: Shape, duration_s: float) -> Scenario:
-    """The shape's scenario without a trace file, SLO or enforcement yet."""
+def base_scenario(shape: Shape, duration_s: float,
+                  step_guard_frac: float = DEFAULT_STEP_GUARD_FRAC) -> Scenario:
+    """The shape's scenario without a trace file, SLO or enforcement yet (the engine
+    plugin's step guard at `step_guard_frac` x the ITL SLO under engine enforcement)."""
     failure = None
     if shape.failure is not None:
         f = shape.failure
@@ -115,6 +117,7 @@ def base_scenario(shape: Shape, duration_s: float) -> Scenario:
         burst=None,
         failure=failure,
         interactive_load=shape.interactive_load,
+        step_guard_frac=step_guard_frac,
     )
 
 
@@ -249,16 +252,18 @@ def refine_rates(runs: Sequence[dict[str, object]], seqs: int, ceiling: float) -
 
 
 def run_matrix(shapes: Sequence[Shape], duration_s: float, grid: Grid, law: str, seed: int,
-               workers: int, settings: tuple[str, ...] = ()) -> list[dict[str, object]]:
+               workers: int, settings: tuple[str, ...] = (),
+               step_guard_frac: float = DEFAULT_STEP_GUARD_FRAC) -> list[dict[str, object]]:
     """Every shape under every enforcement: law (under controller `settings`), best static,
-    and the figures (rows)."""
+    and the figures (rows); the plugin's step guard at `step_guard_frac` in every run."""
     with ProcessPoolExecutor(max_workers=workers) as pool:
         paths = dict(zip((s.name for s in shapes),
                          pool.map(prepare_trace, shapes, [duration_s] * len(shapes)),
                          strict=True))
 
         def cell(shape: Shape, policy: str, slo: Slo, enforcement: str) -> Cell:
-            sc = replace(base_scenario(shape, duration_s), slo=slo, enforcement=enforcement,
+            sc = replace(base_scenario(shape, duration_s, step_guard_frac), slo=slo,
+                         enforcement=enforcement,
                          interactive_trace=paths[shape.name])
             return Cell(shape.name, sc, policy, duration_s, seed, paths[shape.name])
 
@@ -406,6 +411,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="settings",
                    help="a controller setting for the law (keys under the pool's `controller` "
                         "table, e.g. pi.kp_tokens_per_s=12000; repeatable)")
+    p.add_argument("--step-guard-frac", type=float, default=DEFAULT_STEP_GUARD_FRAC,
+                   help="the engine plugin's step guard under engine enforcement, in every "
+                        f"run (x the ITL SLO; 0: off; default {DEFAULT_STEP_GUARD_FRAC})")
     p.add_argument("--workers", type=int, default=2, help="parallel runs (processes)")
     p.add_argument("--json", type=Path, help="write the rows to this file")
     p.add_argument("--plot", type=Path, help="write the bar plot (PNG)")
@@ -421,6 +429,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not duration_s > 0 or args.workers < 1:
         print("bench_matrix: --duration and --workers must be > 0", file=sys.stderr)
         return 2
+    if not 0 <= args.step_guard_frac <= 1:
+        print(f"bench_matrix: --step-guard-frac must be in [0, 1], got {args.step_guard_frac!r}",
+              file=sys.stderr)
+        return 2
     grid = QUICK_GRID if args.quick else FULL_GRID
     settings = tuple(args.settings)
     try:
@@ -429,8 +441,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"bench_matrix: --set: {exc}", file=sys.stderr)
         return 2
     wall0 = time.perf_counter()
-    rows = run_matrix(shapes, duration_s, grid, args.law, args.seed, args.workers, settings)
+    rows = run_matrix(shapes, duration_s, grid, args.law, args.seed, args.workers, settings,
+                      args.step_guard_frac)
     shown = f" ({', '.join(settings)})" if settings else ""
+    if args.step_guard_frac != DEFAULT_STEP_GUARD_FRAC:
+        shown += f" (step guard {args.step_guard_frac:g})"
     print(f"robustness matrix: law {args.law}{shown}, {duration_s:g} s per run, "
           f"{'quick' if args.quick else 'full'} sweep, {time.perf_counter() - wall0:.0f} s wall")
     for split in (TUNE, HELD_OUT):

@@ -1,0 +1,45 @@
+"""The robustness matrix benchmark's arguments: the step guard of its runs, bad values."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+from borrowd.models.enforcement import DEFAULT_STEP_GUARD_FRAC
+from borrowd.models.sim.shapes import SHAPES
+
+SCRIPT = Path(__file__).resolve().parents[4] / "benchmarks" / "bench_matrix.py"
+
+
+@pytest.fixture(scope="module")
+def bench_matrix() -> ModuleType:
+    """benchmarks/bench_matrix.py as a module (it is a script, not a package)."""
+    spec = importlib.util.spec_from_file_location("bench_matrix", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_matrix"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_runs_carry_the_step_guard_given(bench_matrix: ModuleType) -> None:
+    """Each run's scenario holds the step guard asked for (default: the plugin's), so the
+    cache keys of runs with and without the guard differ."""
+    shape = SHAPES[0]
+    assert bench_matrix.base_scenario(shape, 600.0).step_guard_frac == DEFAULT_STEP_GUARD_FRAC
+    off = bench_matrix.base_scenario(shape, 600.0, 0.0)
+    assert off.step_guard_frac == 0.0
+    assert repr(off) != repr(bench_matrix.base_scenario(shape, 600.0))
+
+
+@pytest.mark.parametrize("value", ["1.5", "-0.1"])
+def test_a_step_guard_out_of_range_exits_2_with_one_line(
+    bench_matrix: ModuleType, capsys: pytest.CaptureFixture[str], value: str
+) -> None:
+    """--step-guard-frac outside [0, 1] is one line naming the option, exit code 2."""
+    assert bench_matrix.main(["--quick", "--step-guard-frac", value]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--step-guard-frac must be in [0, 1]" in err and len(err.splitlines()) == 1
