@@ -209,7 +209,7 @@ def wrapped_law(config: ControllerConfig, plant: PlantModel | None) -> Smoothed:
     law: Law = build_law(config.law, settings)
     law = GainScheduled(law, config.schedule, settings)
     law = FeedForward(law, config.feedforward, config.tick_s)
-    law = EdgeMemory(law, config.edge)
+    law = EdgeMemory(law, config.edge, config.enforcement)
     law = UseValidated(law, config.validation, config.u_max_tokens_per_s)
     return Smoothed(law, config.smoothing())
 

@@ -26,6 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 
 from borrowd.controller.laws.base import Law, LawTick, Proposal
+from borrowd.models.enforcement import ADMISSION
 from borrowd.models.errors import ConfigError
 
 
@@ -37,6 +38,13 @@ class EdgeConfig:
         default=False,
         metadata={"unit": "bool", "help": "slow growth near the last cut budget (off by "
                                           "default until measured on the held-out matrix)"},
+    )
+    admission_only: bool = field(
+        default=False,
+        metadata={"unit": "bool", "help": "when enabled, only on a pool whose budget the gate "
+                                          "alone enforces (controller.enforcement = admission): "
+                                          "under the engine plugin its step guard holds the "
+                                          "edge step by step"},
     )
     drop_frac: float = field(
         default=0.8,
@@ -59,6 +67,10 @@ class EdgeConfig:
         default=300.0, metadata={"unit": "s", "help": "the edge is forgotten this long after "
                                                       "its drop"},
     )
+
+    def applies(self, enforcement: str) -> bool:
+        """True when the wrapper acts on a pool enforced by `enforcement`."""
+        return self.enabled and (not self.admission_only or enforcement == ADMISSION)
 
     def __post_init__(self) -> None:
         for name in ("drop_frac", "near_frac", "slow_frac"):
@@ -103,18 +115,20 @@ def next_edge(edge: Edge, recent: deque[tuple[float, float]], now_s: float,
 
 
 class EdgeMemory:
-    """A `Law` whose increases slow near the last budget that was cut (module docstring)."""
+    """A `Law` whose increases slow near the last budget that was cut (module docstring), on
+    a pool enforced by `enforcement` (`EdgeConfig.applies`)."""
 
-    def __init__(self, inner: Law, config: EdgeConfig) -> None:
+    def __init__(self, inner: Law, config: EdgeConfig, enforcement: str = ADMISSION) -> None:
         self.inner = inner
         self.config = config
+        self.active = config.applies(enforcement)
         self.edge = Edge()
         self.recent: deque[tuple[float, float]] = deque()
 
     def propose(self, tick: LawTick) -> Proposal:
         """Ask the wrapped law, then slow its increase near the edge."""
         proposal = self.inner.propose(tick)
-        if not self.config.enabled:
+        if not self.active:
             return proposal
         u = shaped_increase(proposal.u_tokens_per_s, tick.u_applied_tokens_per_s, self.edge,
                             tick.obs.now_s, self.config)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from dataclasses import replace
 
 import pytest
 from borrowd.controller.laws.base import LawTick, Proposal
@@ -14,6 +15,7 @@ from borrowd.controller.laws.edge import (
     next_edge,
     shaped_increase,
 )
+from borrowd.models.enforcement import ADMISSION, ENGINE
 from borrowd.models.errors import ConfigError
 from borrowd.models.signals import Observation
 
@@ -91,6 +93,22 @@ def test_disabled_the_wrapper_passes_proposals_through() -> None:
     law = EdgeMemory(Climber(), EdgeConfig())
     law.edge = Edge(10_000.0, 0.0)
     assert law.propose(tick(9_000.0, 1.0)).u_tokens_per_s == 11_000.0
+
+
+@pytest.mark.parametrize(("admission_only", "enforcement", "slowed"), [
+    (False, ADMISSION, True), (False, ENGINE, True), (True, ADMISSION, True),
+    (True, ENGINE, False),
+], ids=["both-admission", "both-engine", "admission-only-on-admission",
+        "admission-only-under-the-plugin"])
+def test_admission_only_leaves_a_plugin_pool_to_its_step_guard(
+    admission_only: bool, enforcement: str, slowed: bool
+) -> None:
+    """With `admission_only`, growth near the edge slows on a pool enforced by the gate alone
+    and passes whole under the engine plugin."""
+    law = EdgeMemory(Climber(), replace(CONFIG, admission_only=admission_only), enforcement)
+    law.edge = Edge(10_000.0, 0.0)
+    u = law.propose(tick(9_000.0, 1.0)).u_tokens_per_s
+    assert u == pytest.approx(9_500.0 if slowed else 11_000.0)
 
 
 @pytest.mark.parametrize("kwargs", [{"drop_frac": 0.0}, {"slow_frac": 1.5},
