@@ -144,7 +144,6 @@ class BudgetEnforcement(_SchedulerBase):
         self.budget_source = budget_source
         self.step_timer = StepTimer()
         self.step_guard = self.plugin_config.step_guard()
-        self._last_step_s = math.nan  # the step `observe_step_s` counted last
         self.budget: Budget | None = None
         self.batch_allowance = 0
         self.batch_seq_cap = 0
@@ -193,7 +192,6 @@ class BudgetEnforcement(_SchedulerBase):
         """Count one step of `step_s` seconds (the simulator's profile time) as recent; the
         next `update_from_output` without a step clock teaches it to the step guard."""
         self.step_timer.observe(step_s)
-        self._last_step_s = step_s
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         """vLLM's schedule with this step's batch allowance and sequence cap in force."""
@@ -223,21 +221,20 @@ class BudgetEnforcement(_SchedulerBase):
         """vLLM's update, timing the step that just ended and counting its interference."""
         if scheduler_output.total_num_scheduled_tokens == 0:
             return super().update_from_output(scheduler_output, model_runner_output)
-        if self._step_clock is None:
-            now_s, step_s = math.nan, self._last_step_s
-            self._last_step_s = math.nan
-        else:
+        now_s = math.nan
+        if self._step_clock is not None:
             now_s = self._step_clock()
-            step_s = nan_if_none(self.step_timer.finished(now_s))
+            self.step_timer.finished(now_s)
+        gap_s = self.step_timer.take_gap()  # or the profile time `observe_step_s` was given
         scheduled = [
             (req, req.num_output_tokens, n)
             for rid, n in scheduler_output.num_scheduled_tokens.items()
             if (req := self.requests.get(rid)) is not None
         ]
         out = super().update_from_output(scheduler_output, model_runner_output)
-        if self.step_guard is not None and math.isfinite(step_s):
+        if self.step_guard is not None and math.isfinite(gap_s):
             self.step_guard.observe(
-                step_s,
+                gap_s,
                 sum(n for req, _, n in scheduled if self.is_batch(req)),
                 sum(1 for req, before, _ in scheduled
                     if not self.is_batch(req) and 0 < before < req.num_output_tokens),
@@ -310,11 +307,6 @@ class BudgetEnforcement(_SchedulerBase):
             self._watcher.stop()
             self._watcher = None
         super().shutdown()
-
-
-def nan_if_none(value: float | None) -> float:
-    """`value`, or NaN for None."""
-    return math.nan if value is None else value
 
 
 def _kv_tokens(request: Request) -> int:

@@ -107,29 +107,42 @@ class StepTimer:
 
     Steps are matched first in, first out, so it also holds with two steps in flight
     (asynchronous scheduling). Each step counts at most `MAX_STEP_S`.
+
+    It also keeps the last step's gap (`take_gap`): the time from the previous step's output
+    (or this step's schedule, if later) to this one's, which is what the step's interactive
+    decodes waited between two tokens. With two steps in flight the schedule-to-output time
+    also holds the previous step's run; the gap does not.
     """
 
     def __init__(self, initial_s: float = INITIAL_STEP_S) -> None:
         self.recent_s = initial_s
         self._started: deque[float] = deque()
+        self._last_output_s = -math.inf
+        self._gap_s = math.nan
 
     def started(self, now_s: float) -> None:
         """A step was scheduled at `now_s`."""
         self._started.append(now_s)
 
-    def finished(self, now_s: float) -> float | None:
-        """The oldest scheduled step's output arrived at `now_s`; returns its duration
-        (None: no step was started)."""
-        if not self._started:
-            return None
-        step_s = now_s - self._started.popleft()
-        self.observe(step_s)
-        return step_s
+    def finished(self, now_s: float) -> None:
+        """The oldest scheduled step's output arrived at `now_s`."""
+        if self._started:
+            start_s = self._started.popleft()
+            self.observe(now_s - start_s)
+            self._gap_s = now_s - max(start_s, self._last_output_s)
+        self._last_output_s = now_s
 
     def observe(self, step_s: float) -> None:
-        """Fold one step's duration into the recent step time."""
+        """Fold one step's duration into the recent step time (a step timed elsewhere, as the
+        simulator's profile time, is also its gap)."""
+        self._gap_s = step_s
         step_s = min(max(step_s, 0.0), MAX_STEP_S)
         self.recent_s += STEP_EMA_WEIGHT * (step_s - self.recent_s)
+
+    def take_gap(self) -> float:
+        """The last step's gap (class docstring), once: NaN until another step is timed."""
+        gap_s, self._gap_s = self._gap_s, math.nan
+        return gap_s
 
 
 DEFAULT_STEP_GUARD_FRAC = 0.9  # steps carrying interactive decodes held under this x ITL SLO

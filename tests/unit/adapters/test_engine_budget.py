@@ -73,6 +73,23 @@ def test_step_timer_ignores_output_without_schedule() -> None:
     assert timer.recent_s == 0.05
 
 
+def test_step_timer_gap_leaves_out_the_step_ahead_in_flight() -> None:
+    """With two steps in flight (asynchronous scheduling) a step's gap runs from the previous
+    output, not from its own schedule, which fell while the step ahead still ran; a gap is
+    handed out once; a step timed elsewhere is its own gap."""
+    timer = StepTimer()
+    assert math.isnan(timer.take_gap())
+    timer.started(0.00)
+    timer.started(0.01)  # scheduled while the first step runs
+    timer.finished(0.03)
+    assert timer.take_gap() == pytest.approx(0.03)
+    timer.finished(0.06)
+    assert timer.take_gap() == pytest.approx(0.03)  # not 0.05, its schedule-to-output time
+    assert math.isnan(timer.take_gap())
+    timer.observe(0.02)
+    assert timer.take_gap() == pytest.approx(0.02)
+
+
 def test_static_source_returns_what_was_set() -> None:
     """The static source (simulator, tests) hands back its budget whatever the time."""
     source = StaticBudgetSource()
