@@ -117,13 +117,11 @@ def default_sim_pool(name: str, scenario: Scenario) -> PoolConfig:
 
 
 def scenario_replicas(pool: PoolConfig, scenario: Scenario) -> PoolConfig:
-    """`pool` with the simulated fleet's replica count and batch-eligible count when the
-    scenario restricts batch to some replicas (so its limits are sized to them, as the
-    daemon's config says for a real fleet); unchanged otherwise."""
-    if not scenario.batch_restricted():
-        return pool
-    return replace(pool, replicas=scenario.replicas,
-                   batch_replicas=len(scenario.batch_replicas()))
+    """`pool` with the simulated fleet's replica count, and its batch-eligible count when the
+    scenario restricts batch to some replicas (0: all), so its limits are sized to them as
+    the daemon's config sizes them for a real fleet (`pools.pool_controller`)."""
+    eligible = len(scenario.batch_replicas()) if scenario.batch_restricted() else 0
+    return replace(pool, replicas=scenario.replicas, batch_replicas=eligible)
 
 
 def make_policy(name: str, scenario: Scenario, plant_path: Path | None) -> ControllerPolicy:

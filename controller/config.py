@@ -133,7 +133,8 @@ class PoolConfig:
     )
     replicas: int = field(
         default=0,
-        metadata=meta("replicas", "engine replicas serving the pool (0: u_max and the caps "
+        metadata=meta("replicas", "engine replicas serving the pool: u_max, the ramp cap and "
+                      "the sequence cap scale by replicas / controller.limits_replicas (0: they "
                       "stand as written)", min=0, max=100_000),
     )
     batch_replicas: int = field(

@@ -85,6 +85,17 @@ class ControllerConfig:
     u_max_tokens_per_s: float = field(
         default=200_000.0, metadata={"unit": "tokens/s", "help": "largest batch budget"}
     )
+    limits_replicas: int = field(
+        default=4,
+        metadata={
+            "unit": "replicas",
+            "help": (
+                "the pool size u_max_tokens_per_s, caps.max_seqs and "
+                "supervisor.ramp_cap_tokens_per_s are written for: on a pool whose replicas "
+                "is set they scale by replicas / limits_replicas (0: as written at any size)"
+            ),
+        },
+    )
     filter_rise_s: float = field(
         default=5.0,
         metadata={"unit": "s", "help": "smoothing time constant of a rising latency signal"},
@@ -164,6 +175,10 @@ class ControllerConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"controller.{name} must be > 0, got {getattr(self, name)!r}")
+        if self.limits_replicas < 0:
+            raise ConfigError(
+                f"controller.limits_replicas must be >= 0, got {self.limits_replicas!r}"
+            )
         if not 0 < self.slo_success_rate <= 1:
             raise ConfigError(
                 f"controller.slo_success_rate must be in (0, 1], got {self.slo_success_rate!r}"

@@ -24,6 +24,25 @@ def load_plant(pool: PoolConfig) -> PlantModel | None:
     return PlantModel.load(Path(pool.plant_file)) if pool.plant_file else None
 
 
+def sized_to_fleet(controller: ControllerConfig, replicas: int) -> ControllerConfig:
+    """`controller` with the limits written for `limits_replicas` replicas scaled to a pool
+    of `replicas`: u_max, the ramp's cap and the sequence cap (at least 1). The KV cap is a
+    share of the capacity measured and needs no scaling. Unchanged when either count is 0."""
+    if replicas <= 0 or controller.limits_replicas <= 0 or replicas == controller.limits_replicas:
+        return controller
+    scale = replicas / controller.limits_replicas
+    caps = controller.caps
+    supervisor = controller.supervisor
+    return dataclasses.replace(
+        controller,
+        u_max_tokens_per_s=controller.u_max_tokens_per_s * scale,
+        supervisor=dataclasses.replace(
+            supervisor, ramp_cap_tokens_per_s=supervisor.ramp_cap_tokens_per_s * scale
+        ),
+        caps=dataclasses.replace(caps, max_seqs=max(1, math.ceil(caps.max_seqs * scale))),
+    )
+
+
 def sized_to_eligible(controller: ControllerConfig, share: float) -> ControllerConfig:
     """`controller` with its pool-wide limits scaled to the `share` of the replicas that
     may take batch: u_max (the law's upper limit), the ramp's cap, the sequence cap (at least
@@ -50,9 +69,11 @@ def sized_to_eligible(controller: ControllerConfig, share: float) -> ControllerC
 
 
 def pool_controller(pool: PoolConfig) -> ControllerConfig:
-    """The controller settings the daemon runs for `pool`, its limits sized to the replicas
-    that may take batch (`sized_to_eligible`); burn control as configured, at any SLO."""
-    return sized_to_eligible(pool.controller, pool.batch_share())
+    """The controller settings the daemon runs for `pool`, its limits sized to its replicas
+    (`sized_to_fleet`) and to the share of them that may take batch (`sized_to_eligible`);
+    burn control as configured, at any SLO."""
+    return sized_to_eligible(sized_to_fleet(pool.controller, pool.replicas),
+                             pool.batch_share())
 
 
 def build_pool_policy(pool: PoolConfig, plant: PlantModel | None = None) -> ControllerPolicy:

@@ -3,12 +3,13 @@ errors, and the controller's limits sized to the eligible replicas (daemon and s
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 from borrowd.controller.cli import main
 from borrowd.controller.closed_loop import SimControllers, default_sim_pool
-from borrowd.controller.config import config_from_mapping
+from borrowd.controller.config import PoolConfig, config_from_mapping
 from borrowd.controller.pools import build_pool_policy, pool_controller
 from borrowd.models.errors import ConfigError
 from borrowd.models.sim.scenario import SEED, get_scenario
@@ -78,3 +79,44 @@ def test_simulated_pool_takes_the_scenario_subset() -> None:
     from_file = SimControllers(config).pool_config("pi", restricted)
     assert (from_file.replicas, from_file.batch_replicas) == (4, 2)
     assert default_sim_pool("pi", SEED).batch_replicas == 0
+
+
+def test_limits_scale_with_the_pool_size() -> None:
+    """u_max, the ramp cap and the sequence cap are written for `limits_replicas` (4): a pool
+    of 8 gets twice them, one of 2 half, one of 4 or of unknown size (0) them as written; the
+    KV cap is a share of the capacity measured and stays. `limits_replicas = 0` turns it off."""
+    def pool(**keys: object) -> PoolConfig:
+        return config_from_mapping({"pools": [{"name": "chat", **keys}]}).pools[0]
+
+    written = pool_controller(pool())
+    assert pool_controller(pool(replicas=4)) == written
+    eight = pool_controller(pool(replicas=8))
+    assert eight.u_max_tokens_per_s == 2 * written.u_max_tokens_per_s
+    assert eight.supervisor.ramp_cap_tokens_per_s == 2 * written.supervisor.ramp_cap_tokens_per_s
+    assert eight.caps.max_seqs == 2 * written.caps.max_seqs
+    assert eight.caps.max_kv_frac == written.caps.max_kv_frac
+    two = pool_controller(pool(replicas=2))
+    assert two.u_max_tokens_per_s == written.u_max_tokens_per_s / 2
+    assert two.caps.max_seqs == written.caps.max_seqs // 2
+    off = pool_controller(pool(replicas=8, controller={"limits_replicas": 0}))
+    assert off.u_max_tokens_per_s == written.u_max_tokens_per_s
+    # Both sizings compose: 8 replicas, batch on 2 of them.
+    sub = pool_controller(pool(replicas=8, batch_replicas=2))
+    assert sub.u_max_tokens_per_s == written.u_max_tokens_per_s / 2
+
+
+def test_limits_replicas_must_not_be_negative() -> None:
+    """A negative `controller.limits_replicas` is one ConfigError naming the key."""
+    with pytest.raises(ConfigError, match=r"limits_replicas"):
+        config_from_mapping({"pools": [{"name": "chat", "controller": {"limits_replicas": -1}}]})
+
+
+def test_simulated_pool_takes_the_fleet_size() -> None:
+    """The simulator sizes a pool to its scenario's fleet, as an operator's `replicas` does:
+    `seed` (4 replicas) runs the limits as written, a fleet of 8 twice them."""
+    assert default_sim_pool("pi", SEED).replicas == 4
+    assert pool_controller(default_sim_pool("pi", SEED)) == pool_controller(
+        config_from_mapping({"pools": [{"name": SEED.pool}]}).pools[0])
+    eight = default_sim_pool("pi", dataclasses.replace(SEED, replicas=8))
+    assert pool_controller(eight).caps.max_seqs == 2 * pool_controller(
+        default_sim_pool("pi", SEED)).caps.max_seqs
