@@ -31,14 +31,21 @@ class RlsState:
         return cls(theta=theta, p=np.eye(len(theta)) * p0)
 
 
+def _dot(a: np.ndarray, b: np.ndarray) -> float:
+    """a . b exactly rounded (math.fsum), not through BLAS: a BLAS dot's last bits depend on
+    the CPU's kernel, and the loop feeds each estimate back, so runs on two machines drifted
+    apart (the MPC's seed figures moved by 3% between CPUs)."""
+    return math.fsum(float(x) * float(z) for x, z in zip(a, b, strict=True))
+
+
 def rls_update(
     state: RlsState, phi: np.ndarray, y: float, forgetting: float, max_trace: float
 ) -> RlsState:
     """One RLS step with forgetting factor `forgetting` in (0, 1]; returns a new state."""
     phi = np.asarray(phi, dtype=float)
-    p_phi = state.p @ phi
-    gain = p_phi / (forgetting + float(phi @ p_phi))
-    theta = state.theta + gain * (y - float(phi @ state.theta))
+    p_phi = np.array([_dot(row, phi) for row in state.p])
+    gain = p_phi / (forgetting + _dot(phi, p_phi))
+    theta = state.theta + gain * (y - _dot(phi, state.theta))
     p = (state.p - np.outer(gain, p_phi)) / forgetting
     p = 0.5 * (p + p.T)
     trace = float(np.trace(p))
