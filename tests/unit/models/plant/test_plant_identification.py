@@ -12,7 +12,7 @@ from borrowd.models.plant.arx import fit_arx
 from borrowd.models.plant.excitation import prbs, step_sequence
 from borrowd.models.plant.fopdt import fit_fopdt, simulate_fopdt
 from borrowd.models.plant.model import PlantModel, UnusableFitError, identify_plant
-from borrowd.models.plant.rls import LocalGain
+from borrowd.models.plant.rls import LocalGain, RlsState, rls_update
 
 
 def fopdt_response(u: np.ndarray, gain: float, tau_s: float, dead_steps: int, dt_s: float,
@@ -150,3 +150,14 @@ def test_burn_plant_keeps_its_signal_and_leaves_an_idle_burn_out(tmp_path: Path)
     with pytest.raises(UnusableFitError, match="burn stayed 0"):
         identify_plant(u, {"itl": np.zeros_like(y)}, 1.0, interactive_tokens_per_s=900.0,
                        source="synthetic", signal="burn")
+
+
+def test_rls_step_is_exactly_rounded() -> None:
+    """RLS's inner products are exactly rounded, not left to a BLAS kernel: a regressor whose
+    products cancel (1e16 + 1 - 1e16) gives the prediction error of the exact sum, so the
+    estimate is the same on every CPU."""
+    state = RlsState(theta=np.array([1.0, 1.0, 1.0]), p=np.eye(3))
+    phi = np.array([1e16, 1.0, -1e16])
+    # phi . theta is exactly 1.0; y = 1.0 leaves no error, so theta stays where it was.
+    after = rls_update(state, phi, 1.0, forgetting=1.0, max_trace=1e40)
+    assert np.array_equal(after.theta, state.theta)
