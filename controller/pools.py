@@ -24,14 +24,19 @@ def load_plant(pool: PoolConfig) -> PlantModel | None:
     return PlantModel.load(Path(pool.plant_file)) if pool.plant_file else None
 
 
-def sized_to_fleet(controller: ControllerConfig, replicas: int) -> ControllerConfig:
-    """`controller` with the limits written for `limits_replicas` replicas scaled to a pool
-    of `replicas`: u_max, the ramp's cap and the sequence cap (at least 1). The KV cap is a
-    share of the capacity measured and needs no scaling. Unchanged when either count is 0."""
-    if replicas <= 0 or controller.limits_replicas <= 0 or replicas == controller.limits_replicas:
-        return controller
-    scale = replicas / controller.limits_replicas
+def scaled_limits(controller: ControllerConfig, scale: float, kv: bool) -> ControllerConfig:
+    """`controller` with u_max, the ramp's cap and the sequence cap (at least 1) times
+    `scale`, and with `kv` the KV cap's share of the pool's capacity and its absolute
+    ceiling (at least 1) too."""
     caps = controller.caps
+    caps = dataclasses.replace(caps, max_seqs=max(1, math.ceil(caps.max_seqs * scale)))
+    if kv:
+        caps = dataclasses.replace(
+            caps,
+            max_kv_frac=caps.max_kv_frac * scale,
+            max_kv_tokens=(None if caps.max_kv_tokens is None
+                           else max(1, math.ceil(caps.max_kv_tokens * scale))),
+        )
     supervisor = controller.supervisor
     return dataclasses.replace(
         controller,
@@ -39,33 +44,27 @@ def sized_to_fleet(controller: ControllerConfig, replicas: int) -> ControllerCon
         supervisor=dataclasses.replace(
             supervisor, ramp_cap_tokens_per_s=supervisor.ramp_cap_tokens_per_s * scale
         ),
-        caps=dataclasses.replace(caps, max_seqs=max(1, math.ceil(caps.max_seqs * scale))),
+        caps=caps,
     )
+
+
+def sized_to_fleet(controller: ControllerConfig, replicas: int) -> ControllerConfig:
+    """`controller` with the limits written for `limits_replicas` replicas scaled to a pool
+    of `replicas`: u_max, the ramp's cap and the sequence cap. The KV cap is a share of the
+    capacity measured and needs no scaling. Unchanged when either count is 0."""
+    if replicas <= 0 or controller.limits_replicas <= 0 or replicas == controller.limits_replicas:
+        return controller
+    return scaled_limits(controller, replicas / controller.limits_replicas, kv=False)
 
 
 def sized_to_eligible(controller: ControllerConfig, share: float) -> ControllerConfig:
     """`controller` with its pool-wide limits scaled to the `share` of the replicas that
-    may take batch: u_max (the law's upper limit), the ramp's cap, the sequence cap (at least
-    1), and the KV cap's share of the pool's capacity (and its absolute ceiling when set, at
-    least 1). A share of 1 leaves it as written."""
+    may take batch: u_max (the law's upper limit), the ramp's cap, the sequence cap, and the
+    KV cap's share of the pool's capacity (and its absolute ceiling when set). A share of 1
+    leaves it as written."""
     if share >= 1.0:
         return controller
-    caps = controller.caps
-    supervisor = controller.supervisor
-    return dataclasses.replace(
-        controller,
-        u_max_tokens_per_s=controller.u_max_tokens_per_s * share,
-        supervisor=dataclasses.replace(
-            supervisor, ramp_cap_tokens_per_s=supervisor.ramp_cap_tokens_per_s * share
-        ),
-        caps=dataclasses.replace(
-            caps,
-            max_seqs=max(1, math.ceil(caps.max_seqs * share)),
-            max_kv_frac=caps.max_kv_frac * share,
-            max_kv_tokens=(None if caps.max_kv_tokens is None
-                           else max(1, math.ceil(caps.max_kv_tokens * share))),
-        ),
-    )
+    return scaled_limits(controller, share, kv=True)
 
 
 def pool_controller(pool: PoolConfig) -> ControllerConfig:

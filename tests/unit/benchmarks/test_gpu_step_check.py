@@ -3,9 +3,7 @@ one-line exit-2 errors on bad files, and the CPU `--quick` measure mode end to e
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -13,18 +11,15 @@ from typing import Any
 import pytest
 from borrowd.models.sim.profiles import PROFILES
 
-SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "gpu_step_check.py"
+from tests.support.scripts import load_script
+
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")
 def gsc() -> ModuleType:
     """benchmarks/gpu_step_check.py as a module (it is a script, not a package)."""
-    spec = importlib.util.spec_from_file_location("gpu_step_check", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_step_check"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("gpu_step_check")
 
 
 def synthetic(gsc: ModuleType, factor_8b: float, factor_7b: float) -> dict[str, Any]:
@@ -129,7 +124,7 @@ def test_unknown_profile_exits_2(gsc: ModuleType, tmp_path: Path,
 def test_shipped_h200_measurements_load(gsc: ModuleType) -> None:
     """docs/gpu-step-check-h200.json (measured on the device) is a valid file with both
     shapes and every case of the full plan."""
-    path = SCRIPT.parents[1] / "docs" / "gpu-step-check-h200.json"
+    path = ROOT / "docs" / "gpu-step-check-h200.json"
     data = gsc.load_measurements(path)
     assert not data["settings"]["quick"]
     assert len(data["cases"]) == 2 * len(gsc.grid(gsc.FULL_PLAN))

@@ -2,27 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 from borrowd.models.enforcement import DEFAULT_STEP_GUARD_FRAC
 from borrowd.models.sim.shapes import SHAPES
 
-SCRIPT = Path(__file__).resolve().parents[4] / "benchmarks" / "bench_matrix.py"
+from tests.support.scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def bench_matrix() -> ModuleType:
     """benchmarks/bench_matrix.py as a module (it is a script, not a package)."""
-    spec = importlib.util.spec_from_file_location("bench_matrix", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_matrix"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_matrix")
 
 
 def test_runs_carry_the_step_guard_given(bench_matrix: ModuleType) -> None:
