@@ -128,14 +128,18 @@ class StepTimer:
         """The oldest scheduled step's output arrived at `now_s`."""
         if self._started:
             start_s = self._started.popleft()
-            self.observe(now_s - start_s)
+            self._fold(now_s - start_s)
             self._gap_s = now_s - max(start_s, self._last_output_s)
         self._last_output_s = now_s
 
     def observe(self, step_s: float) -> None:
-        """Fold one step's duration into the recent step time (a step timed elsewhere, as the
-        simulator's profile time, is also its gap)."""
+        """One step timed elsewhere (the simulator's profile time): its duration, which is
+        also its gap."""
+        self._fold(step_s)
         self._gap_s = step_s
+
+    def _fold(self, step_s: float) -> None:
+        """Fold one step's duration into the recent step time."""
         step_s = min(max(step_s, 0.0), MAX_STEP_S)
         self.recent_s += STEP_EMA_WEIGHT * (step_s - self.recent_s)
 
