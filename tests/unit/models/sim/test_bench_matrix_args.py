@@ -1,4 +1,4 @@
-"""The robustness matrix benchmark's arguments: the step guard of its runs, bad values."""
+"""The robustness matrix benchmark: the step guard of its runs, bad values, mode counts."""
 
 from __future__ import annotations
 
@@ -35,3 +35,17 @@ def test_a_step_guard_out_of_range_exits_2_with_one_line(
     assert bench_matrix.main(["--quick", "--step-guard-frac", value]) == 2
     err = capsys.readouterr().err.strip()
     assert "--step-guard-frac must be in [0, 1]" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize(("modes", "changes"), [
+    (["closed", "failsafe", "closed", "ramp", "open", "open"], 0),
+    (["closed", "ramp", "open", "closed", "open", "open"], 2),
+    (["closed", "ramp", "closed", "ramp"], 3),
+    ([], 0),
+], ids=["cold-start-only", "one-cut-after-start", "never-opens", "empty"])
+def test_mode_changes_are_counted_after_the_cold_start(
+    bench_matrix: ModuleType, modes: list[str], changes: int
+) -> None:
+    """The cold start (closed, a failsafe while the first scrapes come in, the ramp) is once
+    per daemon start and not counted; a pool that never opens counts every change."""
+    assert bench_matrix.mode_changes_after_start(modes) == changes
