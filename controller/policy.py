@@ -30,6 +30,7 @@ from borrowd.controller.laws.edge import EdgeConfig, EdgeMemory
 from borrowd.controller.laws.feedforward import FeedForwardConfig
 from borrowd.controller.laws.mpc import MpcConfig
 from borrowd.controller.laws.pi import PiConfig
+from borrowd.controller.laws.prediction import BurnPredicted, PredictConfig
 from borrowd.controller.laws.registry import build_law, law_names
 from borrowd.controller.laws.slack import SlackConfig
 from borrowd.controller.laws.smoothing import Smoothed, SmoothingConfig, smooth_step
@@ -157,6 +158,10 @@ class ControllerConfig:
         default_factory=EdgeConfig,
         metadata={"unit": "table", "help": "growth slows near the last budget that was cut"},
     )
+    predict: PredictConfig = field(
+        default_factory=PredictConfig,
+        metadata={"unit": "table", "help": "the law tracks the burns the budget now will cause"},
+    )
 
     def __post_init__(self) -> None:
         if self.law not in law_names():
@@ -219,9 +224,9 @@ class Decision:
 
 def wrapped_law(config: ControllerConfig, plant: PlantModel | None) -> Smoothed:
     """The configured law inside its wrappers: smoothing, use validation, edge memory,
-    feed-forward, gain schedule."""
+    feed-forward, gain schedule, burn prediction."""
     settings = config.law_settings(plant)
-    law: Law = build_law(config.law, settings)
+    law: Law = BurnPredicted(build_law(config.law, settings), config.predict)
     law = GainScheduled(law, config.schedule, settings)
     law = FeedForward(law, config.feedforward, config.tick_s)
     law = EdgeMemory(law, config.edge, config.enforcement)

@@ -37,7 +37,8 @@ class LawTick:
     `batch_seqs_cap` is the sequence cap of the budget in force (inf: none known), so a
     wrapper can tell batch that is held by its caps from batch that has no more work;
     `burn_windows_s` how long a window each burn took to hold its least sample count (NaN:
-    not read), i.e. how late that signal is.
+    not read), i.e. how late that signal is; `burn_batch_shares` the share of each burn's
+    over-SLO samples that batch caused (NaN: not measured).
     """
 
     obs: Observation
@@ -51,6 +52,7 @@ class LawTick:
     gain_ratios: tuple[float, ...] = (1.0,) * len(OUTPUTS)
     batch_seqs_cap: float = math.inf
     burn_windows_s: tuple[float, ...] = NAN_PER_OUTPUT
+    burn_batch_shares: tuple[float, ...] = NAN_PER_OUTPUT
 
 
 @dataclass(frozen=True)

@@ -68,8 +68,10 @@ class Smoothed:
         burns = self.burns if cfg.control_on_burn else NAN_PER_OUTPUT
         windows = tuple(r.window_s if r is not None and cfg.control_on_burn else math.nan
                         for r in self.readings)
+        shares = tuple(r.batch_share if r is not None and cfg.control_on_burn else math.nan
+                       for r in self.readings)
         return self.inner.propose(replace(tick, obs=obs, ys=ys, burns=burns,
-                                          burn_windows_s=windows))
+                                          burn_windows_s=windows, burn_batch_shares=shares))
 
     def applied(self, tick: LawTick, u_tokens_per_s: float) -> None:
         """Pass the applied budget on."""

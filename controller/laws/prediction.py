@@ -1,0 +1,121 @@
+"""A Smith predictor for the burns: the law tracks the burn that the budget in force now
+will cause, not the one that the budget of 15-25 s ago caused.
+
+The burns come late: each observation covers the source's rules window and is as old as the
+last scrape and rule evaluation, and the fast burn window adds its own length. A loop that
+integrates such a signal climbs past the edge by its climb rate times that delay before the
+burn shows, and is then cut for the burn of a budget it no longer has: a limit cycle whose
+troughs cost more than its peaks carry. The share of interactive samples over the SLO that
+batch causes grows with the batch rate (each batch prefill chunk a step carries is a gap
+over the SLO for every interactive decode in it), so, per output, the law sees
+
+    predicted = burn * (1 - s) + burn * s * min(max_ratio, u_now / u_seen)
+
+with s the reading's batch share (the share of its over-SLO samples that fell in steps
+carrying batch tokens, or of interactive wait spent behind batch prefill; NaN: unknown, no
+prediction) and u_seen the mean budget applied over the span the reading covers,
+[now - age - observation window - burn window, now - age]. A budget that rose since its
+burn was read is seen to burn more before the burn shows; one that was just cut is not cut
+again for the burn of the budget before it. This is Smith's predictor (1957) with a model
+that is a proportion, so no identified plant is needed. The supervisor's cuts read the
+measured burns, never these.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field, replace
+
+from borrowd.controller.laws.base import Law, LawTick, Proposal
+from borrowd.models.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class PredictConfig:
+    """Whether the law tracks predicted burns, and how far a prediction may scale one."""
+
+    enabled: bool = field(
+        default=True,
+        metadata={"unit": "bool", "help": "the law tracks each burn scaled, in the share batch "
+                                          "caused, by the budget now over the budget it read"},
+    )
+    max_ratio: float = field(
+        default=4.0,
+        metadata={"unit": "1", "help": "the most a prediction scales the batch-caused burn"},
+    )
+
+    def __post_init__(self) -> None:
+        if not self.max_ratio >= 1.0:
+            raise ConfigError(f"predict.max_ratio must be >= 1, got {self.max_ratio!r}")
+
+
+def mean_applied(history: deque[tuple[float, float]], start_s: float, end_s: float) -> float:
+    """Time-weighted mean of the budget applied over [start_s, end_s]; each entry (t, u)
+    holds from t to the next entry. NaN when the history does not reach into the span."""
+    if not history or end_s <= start_s:
+        return math.nan
+    total = weight = 0.0
+    entries = list(history)
+    for (t, u), nxt in zip(entries, [*entries[1:], (math.inf, 0.0)], strict=True):
+        lo, hi = max(t, start_s), min(nxt[0], end_s)
+        if hi > lo:
+            total += u * (hi - lo)
+            weight += hi - lo
+    return total / weight if weight > 0 else math.nan
+
+
+def predicted_burn(burn: float, batch_share: float, u_now: float, u_seen: float,
+                   max_ratio: float) -> float:
+    """The burn that `u_now` will cause, from one read under `u_seen` (module docstring);
+    the burn as read when the batch share or the budget it was read under is unknown."""
+    if not (math.isfinite(burn) and math.isfinite(batch_share) and math.isfinite(u_seen)):
+        return burn
+    if u_seen <= 0.0:
+        return burn
+    share = min(max(batch_share, 0.0), 1.0)
+    ratio = min(max_ratio, max(u_now, 0.0) / u_seen)
+    return burn * (1.0 - share) + burn * share * ratio
+
+
+class BurnPredicted:
+    """A `Law` that hands the wrapped law predicted burns (module docstring)."""
+
+    def __init__(self, inner: Law, config: PredictConfig) -> None:
+        self.inner = inner
+        self.config = config
+        self.history: deque[tuple[float, float]] = deque()
+        self.last_ratio = math.nan
+
+    def propose(self, tick: LawTick) -> Proposal:
+        """Predict each burn from the budget history, then ask the wrapped law."""
+        if not self.config.enabled:
+            return self.inner.propose(tick)
+        obs = tick.obs
+        age_s = obs.age_s if math.isfinite(obs.age_s) else 0.0
+        rules_s = obs.window_s if math.isfinite(obs.window_s) else 0.0
+        end_s = obs.now_s - max(age_s, 0.0)
+        burns = []
+        for burn, share, window_s in zip(tick.burns, tick.burn_batch_shares,
+                                         tick.burn_windows_s, strict=True):
+            span_s = rules_s + (window_s if math.isfinite(window_s) else 0.0)
+            u_seen = mean_applied(self.history, end_s - span_s, end_s)
+            burns.append(predicted_burn(burn, share, tick.u_applied_tokens_per_s, u_seen,
+                                        self.config.max_ratio))
+            if math.isfinite(u_seen) and u_seen > 0:
+                self.last_ratio = tick.u_applied_tokens_per_s / u_seen
+        return self.inner.propose(replace(tick, burns=tuple(burns)))
+
+    def applied(self, tick: LawTick, u_tokens_per_s: float) -> None:
+        """Remember the budget applied from this tick on, then pass it on."""
+        now_s = tick.obs.now_s
+        self.history.append((now_s, u_tokens_per_s))
+        # Keep what the longest span can reach: a minute of burn window, the rules window
+        # and the signals' age, with room to spare.
+        while len(self.history) > 1 and self.history[1][0] < now_s - 300.0:
+            self.history.popleft()
+        self.inner.applied(tick, u_tokens_per_s)
+
+    def state(self) -> dict[str, float]:
+        """The last budget ratio (now / as read) beside the wrapped law's state."""
+        return {"predict_budget_ratio": self.last_ratio, **self.inner.state()}

@@ -1,0 +1,107 @@
+"""Burn prediction (a Smith predictor): the law sees the burn the budget now will cause."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import pytest
+from borrowd.controller.laws.base import LawTick, Proposal
+from borrowd.controller.laws.prediction import (
+    BurnPredicted,
+    PredictConfig,
+    mean_applied,
+    predicted_burn,
+)
+from borrowd.controller.policy import ControllerConfig, build_policy
+from borrowd.models.errors import ConfigError
+from borrowd.models.signals import Observation
+
+NAN = math.nan
+
+
+@pytest.mark.parametrize(("burn", "share", "u_now", "u_seen", "expected"), [
+    (1.0, 1.0, 60_000.0, 40_000.0, 1.5),  # all caused by batch: scales with the budget
+    (1.0, 0.5, 60_000.0, 40_000.0, 1.25),  # half: only that half scales
+    (1.0, 1.0, 20_000.0, 40_000.0, 0.5),  # just cut: the old burn is not read again
+    (1.0, 1.0, 400_000.0, 10_000.0, 4.0),  # the ratio is bounded (max_ratio)
+    (0.0, 1.0, 60_000.0, 40_000.0, 0.0),  # nothing burns: nothing to scale
+    (1.0, NAN, 60_000.0, 40_000.0, 1.0),  # batch share unknown: as read
+    (1.0, 1.0, 60_000.0, NAN, 1.0),  # budget unknown over the span: as read
+    (1.0, 1.0, 60_000.0, 0.0, 1.0),  # read while closed: as read
+    (NAN, 1.0, 60_000.0, 40_000.0, NAN),  # no burn: none
+], ids=["all-batch", "half-batch", "after-a-cut", "bounded", "no-burn", "share-unknown",
+        "budget-unknown", "read-while-closed", "nan-burn"])
+def test_the_batch_share_of_a_burn_scales_with_the_budget(
+    burn: float, share: float, u_now: float, u_seen: float, expected: float
+) -> None:
+    got = predicted_burn(burn, share, u_now, u_seen, max_ratio=4.0)
+    assert got == pytest.approx(expected, nan_ok=True)
+
+
+def test_the_budget_a_reading_saw_is_its_time_weighted_mean_over_the_span() -> None:
+    history = deque([(0.0, 10_000.0), (10.0, 30_000.0), (20.0, 0.0)])
+    assert mean_applied(history, 0.0, 20.0) == pytest.approx(20_000.0)
+    assert mean_applied(history, 5.0, 15.0) == pytest.approx(20_000.0)
+    assert mean_applied(history, 15.0, 25.0) == pytest.approx(15_000.0)
+    assert math.isnan(mean_applied(history, -10.0, -5.0))  # before the history
+    assert math.isnan(mean_applied(deque(), 0.0, 10.0))
+
+
+class Recorder:
+    """A law that keeps the burns it was handed and holds the budget."""
+
+    def __init__(self) -> None:
+        self.burns: tuple[float, ...] = ()
+
+    def propose(self, tick: LawTick) -> Proposal:
+        self.burns = tick.burns
+        return Proposal(tick.u_applied_tokens_per_s, tick)
+
+    def applied(self, tick: LawTick, u_tokens_per_s: float) -> None:
+        pass
+
+    def state(self) -> dict[str, float]:
+        return {}
+
+
+def tick(now_s: float, u: float, burns: tuple[float, float], shares: tuple[float, float]
+         ) -> LawTick:
+    obs = Observation(now_s=now_s, age_s=5.0, window_s=15.0)
+    return LawTick(obs, (0.5, 0.5), u, 1.0, burns=burns, burn_windows_s=(10.0, 10.0),
+                   burn_batch_shares=shares)
+
+
+def test_a_budget_that_doubled_since_the_reading_doubles_the_batch_burn_seen() -> None:
+    """Over 40 s at 20k then a rise to 40k: a reading that covers [t-30, t-5] saw 20k, so the
+    ITL burn (all batch) reads twice; the TTFT burn (share unknown) passes as read."""
+    inner = Recorder()
+    law = BurnPredicted(inner, PredictConfig())
+    for t in range(40):
+        law.applied(tick(float(t), 20_000.0, (0.2, 0.2), (NAN, 1.0)), 20_000.0)
+    law.applied(tick(40.0, 20_000.0, (0.2, 0.2), (NAN, 1.0)), 40_000.0)
+    law.propose(tick(41.0, 40_000.0, (0.5, 0.5), (NAN, 1.0)))
+    assert inner.burns == pytest.approx((0.5, 1.0))
+    assert law.state()["predict_budget_ratio"] == pytest.approx(2.0)
+
+
+def test_disabled_the_burns_pass_as_read() -> None:
+    inner = Recorder()
+    law = BurnPredicted(inner, PredictConfig(enabled=False))
+    law.applied(tick(0.0, 20_000.0, (0.2, 0.2), (1.0, 1.0)), 20_000.0)
+    law.propose(tick(30.0, 80_000.0, (0.5, 0.5), (1.0, 1.0)))
+    assert inner.burns == (0.5, 0.5)
+
+
+def test_a_max_ratio_below_one_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match=r"predict\.max_ratio"):
+        PredictConfig(max_ratio=0.5)
+
+
+def test_the_policy_runs_the_predictor_inside_its_wrappers() -> None:
+    """The daemon's policy (and so the simulator's) runs the law behind the predictor, and
+    exports its ratio as controller state."""
+    policy = build_policy(ControllerConfig(), "chat", None)
+    obs = Observation(now_s=0.0, age_s=1.0)
+    policy.step(obs, 0.0)
+    assert "predict_budget_ratio" in policy.state()
