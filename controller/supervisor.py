@@ -263,16 +263,22 @@ RAMP_KNOWN_SAMPLES = 5.0  # a p95 read from fewer samples says nothing about the
 NO_BURNS: Burns = (None, None)
 
 
-def missing_signals(obs: Observation, config: SupervisorConfig) -> list[str]:
+def missing_signals(
+    obs: Observation, config: SupervisorConfig, burns: Burns = NO_BURNS
+) -> list[str]:
     """Required signals that are NaN, and 'age' when the observation is stale.
 
     A per-request signal that is NaN because its window held no interactive sample, or too
     few for a p95 (`models.signals.sparse`: first tokens for TTFT, inter-token gaps for
     ITL; no request for the success rate) is not missing: no traffic is a safe reading.
+    Nor is a p95 whose burn is read (its histogram's samples above the SLO, counted): the
+    cut and reopen checks read the burn in its place. The p95's rules window ends a scrape
+    earlier than the counts' window, so the first requests after a quiet spell leave the
+    p95 empty while the burn already counts their samples.
     """
     idle = {
-        "ttft_p95_s": obs.ttft_idle(),
-        "itl_p95_s": obs.itl_idle(),
+        "ttft_p95_s": obs.ttft_idle() or burns[0] is not None,
+        "itl_p95_s": obs.itl_idle() or burns[1] is not None,
         "success_rate": obs.interactive_requests == 0 or obs.ttft_idle(),
     }
     missing = [
@@ -432,7 +438,7 @@ def _next(
         restart = config.ramp_start_frac * state.ramp_tokens_per_s
     if state.mode == Mode.STOPPED:
         return _with_reason(closed_since_now, "resumed by operator: holding closed"), 0.0
-    missing = missing_signals(obs, config)
+    missing = missing_signals(obs, config, burns)
     if missing:
         reason = "failsafe: missing or stale " + ", ".join(missing)
         return SupervisorState(Mode.FAILSAFE, math.nan, 0.0, reason), config.floor_tokens_per_s

@@ -167,6 +167,18 @@ def test_a_missing_p95_from_sparse_traffic_is_not_a_failsafe(
     assert decision.mode == mode
 
 
+@pytest.mark.parametrize(("burn_read", "mode"), [(True, Mode.OPEN), (False, Mode.FAILSAFE)],
+                         ids=["burn-read", "no-burn"])
+def test_an_empty_p95_whose_burn_is_read_is_not_missing(burn_read: bool, mode: Mode) -> None:
+    """The first requests after a quiet spell: the p95's rules window (a scrape earlier) held
+    no gap while the burn window counted many. With the burn read, the checks use it and the
+    p95 is not missing; without it (no histogram share), the p95 is missing."""
+    observed = obs(itl_p95_s=math.nan, itl_samples=40.0, interactive_requests=3.0)
+    itl = reading(0.2, 0.1, 0.1) if burn_read else None
+    decision = supervise(CFG, OPEN, observed, SLO, 4000.0, 1.0, 0.0, burns=(None, itl))
+    assert decision.mode == mode
+
+
 def reading(burn: float, lower: float, slow: float, batch_share: float = math.nan) -> BurnReading:
     """A burn reading with the given fast burn, its lower bound and the slow burn."""
     return BurnReading(burn=burn, lower=lower, upper=burn * 1.5, samples=500.0, window_s=10.0,
