@@ -51,8 +51,9 @@ class PredictConfig:
 
 
 def mean_applied(history: deque[tuple[float, float]], start_s: float, end_s: float) -> float:
-    """Time-weighted mean of the budget applied over [start_s, end_s]; each entry (t, u)
-    holds from t to the next entry. NaN when the history does not reach into the span."""
+    """Time-weighted mean of the budget applied (tokens/s) over [start_s, end_s]; each entry
+    (t_s, u_tokens_per_s) holds from t_s to the next entry. NaN when the history does not
+    reach into the span."""
     if not history or end_s <= start_s:
         return math.nan
     total = weight = 0.0
@@ -65,16 +66,18 @@ def mean_applied(history: deque[tuple[float, float]], start_s: float, end_s: flo
     return total / weight if weight > 0 else math.nan
 
 
-def predicted_burn(burn: float, batch_share: float, u_now: float, u_seen: float,
-                   max_ratio: float) -> float:
-    """The burn that `u_now` will cause, from one read under `u_seen` (module docstring);
-    the burn as read when the batch share or the budget it was read under is unknown."""
+def predicted_burn(burn: float, batch_share: float, u_now_tokens_per_s: float,
+                   u_seen_tokens_per_s: float, max_ratio: float) -> float:
+    """The burn that the budget now will cause, from one read under `u_seen_tokens_per_s`
+    (module docstring); the burn as read when the batch share or the budget it was read
+    under is unknown."""
+    u_seen = u_seen_tokens_per_s
     if not (math.isfinite(burn) and math.isfinite(batch_share) and math.isfinite(u_seen)):
         return burn
     if u_seen <= 0.0:
         return burn
     share = min(max(batch_share, 0.0), 1.0)
-    ratio = min(max_ratio, max(u_now, 0.0) / u_seen)
+    ratio = min(max_ratio, max(u_now_tokens_per_s, 0.0) / u_seen)
     return burn * (1.0 - share) + burn * share * ratio
 
 
