@@ -20,6 +20,7 @@ without a controller (none, priority, static caps) are cached under
 a controller change runs only the law.
 
     python3 benchmarks/bench_matrix.py --quick                 # 600 s runs, small sweep
+    python3 benchmarks/bench_matrix.py --quick --seed 0 1 2 3  # per draw, then their sums
     python3 benchmarks/bench_matrix.py --duration 3600 --plot matrix.png --json matrix.json
 """
 
@@ -335,6 +336,7 @@ def matrix_row(shape: Shape, enforcement: str, slo: Slo, law_run: dict[str, obje
         "best_static_tokens_per_s": best_tps,
         "ratio": ratio,
         "law_windows_met_frac": law_run["windows_met_frac"],
+        "law_windows_missed": windows_missed(law_run),
         "law_recomputed_frac": law_run["recomputed_frac"],
         "law_revocations": law_run["revocations"],
         "law_mode_changes_per_h": law_run["mode_changes_per_h"],
@@ -342,6 +344,48 @@ def matrix_row(shape: Shape, enforcement: str, slo: Slo, law_run: dict[str, obje
         "law_itl_p95_s": law_run["itl_p95_s"],
         "sweep_runs": sweep_runs,
     }
+
+
+def windows_missed(run: dict[str, object]) -> int:
+    """How many of a run's 60 s windows missed an SLO."""
+    count = len(run["window_ttft_p95_s"])  # type: ignore[arg-type]
+    return round((1.0 - float(run["windows_met_frac"])) * count)  # type: ignore[arg-type]
+
+
+def at_bar(row: dict[str, object]) -> bool:
+    """True when the law carried at least the best static cap with every window met (the
+    issue's bar)."""
+    ratio = row["ratio"]
+    return (isinstance(ratio, float) and ratio >= 1.0
+            and float(row["law_windows_met_frac"]) >= 1.0)  # type: ignore[arg-type]
+
+
+def draw_figures(rows: Sequence[dict[str, object]]) -> str:
+    """One batch draw's rows in a line: rows at the bar, windows missed, ratios."""
+    ratios = [float(r["ratio"]) for r in rows  # type: ignore[arg-type]
+              if isinstance(r["ratio"], float) and math.isfinite(r["ratio"])]
+    bar = sum(1 for r in rows if at_bar(r))
+    missed = sum(int(r["law_windows_missed"]) for r in rows)  # type: ignore[call-overload]
+    text = f"at the bar {bar}/{len(rows)}, windows missed {missed}"
+    if ratios:
+        gmean = float(np.exp(np.mean(np.log(np.maximum(ratios, 1e-9)))))
+        text += f", geometric mean {gmean:.2f}x, worst {min(ratios):.2f}x"
+    return text
+
+
+def draws_summary(rows_by_seed: dict[int, list[dict[str, object]]], split: str) -> list[str]:
+    """Lines summing a split over several batch draws: all draws together, then each
+    (one draw moves by a few windows with any change of phase, so compare these sums)."""
+    per_seed = {seed: [r for r in rows if r["split"] == split]
+                for seed, rows in rows_by_seed.items()}
+    every = [r for rows in per_seed.values() for r in rows]
+    if not every:
+        return []
+    seeds = " ".join(str(seed) for seed in per_seed)
+    lines = [f"{split} shapes over {len(per_seed)} batch draws (seeds {seeds}): "
+             f"{draw_figures(every)}"]
+    lines += [f"  seed {seed}: {draw_figures(rows)}" for seed, rows in per_seed.items()]
+    return lines
 
 
 def format_rows(rows: Sequence[dict[str, object]]) -> str:
@@ -416,7 +460,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--shapes", nargs="+", help="shape names (default: all)")
     p.add_argument("--split", choices=(TUNE, HELD_OUT), help="only shapes of this split")
     p.add_argument("--law", default="pi", help="controller policy to compare (default pi)")
-    p.add_argument("--seed", type=int, default=0, help="random seed (batch draws)")
+    p.add_argument("--seed", type=int, nargs="+", default=[0],
+                   help="random seed of the batch draws; several: the matrix per draw, then "
+                        "their sums per split")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="settings",
                    help="a controller setting for the law (keys under the pool's `controller` "
                         "table, e.g. pi.kp_tokens_per_s=12000; repeatable)")
@@ -449,24 +495,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"bench_matrix: --set: {exc}", file=sys.stderr)
         return 2
+    seeds = list(dict.fromkeys(args.seed))
     wall0 = time.perf_counter()
-    rows = run_matrix(shapes, duration_s, grid, args.law, args.seed, args.workers, settings,
-                      args.step_guard_frac)
+    rows_by_seed = {
+        seed: [{**r, "seed": seed} for r in run_matrix(
+            shapes, duration_s, grid, args.law, seed, args.workers, settings,
+            args.step_guard_frac)]
+        for seed in seeds
+    }
     shown = f" ({', '.join(settings)})" if settings else ""
     if args.step_guard_frac != DEFAULT_STEP_GUARD_FRAC:
         shown += f" (step guard {args.step_guard_frac:g})"
     print(f"robustness matrix: law {args.law}{shown}, {duration_s:g} s per run, "
           f"{'quick' if args.quick else 'full'} sweep, {time.perf_counter() - wall0:.0f} s wall")
-    for split in (TUNE, HELD_OUT):
-        part = [r for r in rows if r["split"] == split]
-        if part:
-            print(f"\n{split} shapes")
-            print(format_rows(part))
-            print(summary_line(part))
+    for seed, rows in rows_by_seed.items():
+        draw = f", batch draw seed {seed}" if len(seeds) > 1 else ""
+        for split in (TUNE, HELD_OUT):
+            part = [r for r in rows if r["split"] == split]
+            if part:
+                print(f"\n{split} shapes{draw}")
+                print(format_rows(part))
+                print(summary_line(part))
+    if len(seeds) > 1:
+        print()
+        for split in (TUNE, HELD_OUT):
+            for line in draws_summary(rows_by_seed, split):
+                print(line)
+    every = [r for rows in rows_by_seed.values() for r in rows]
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=1) + "\n")
+        args.json.write_text(json.dumps(every, indent=1) + "\n")
     if args.plot:
-        plot_rows(rows, args.plot)
+        plot_rows(rows_by_seed[seeds[0]], args.plot)
     return 0
 
 

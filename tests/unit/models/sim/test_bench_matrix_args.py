@@ -49,3 +49,33 @@ def test_mode_changes_are_counted_after_the_cold_start(
     """The cold start (closed, a failsafe while the first scrapes come in, the ramp) is once
     per daemon start and not counted; a pool that never opens counts every change."""
     assert bench_matrix.mode_changes_after_start(modes) == changes
+
+
+def row(split: str, ratio: float, met: float, missed: int) -> dict[str, object]:
+    """A matrix row with the fields the summaries read."""
+    return {"split": split, "ratio": ratio, "law_windows_met_frac": met,
+            "law_windows_missed": missed}
+
+
+def test_several_draws_are_summed_per_split_then_shown_each(bench_matrix: ModuleType) -> None:
+    """Rows at the bar (at least 1.0x with every window met) and windows missed add up over
+    the draws; each draw has its own line; a split with no rows has no lines."""
+    rows_by_seed = {
+        0: [row("tune", 1.2, 1.0, 0), row("tune", 0.8, 0.9, 1), row("held-out", 2.0, 0.8, 2)],
+        1: [row("tune", 1.1, 0.9, 1), row("tune", 0.9, 1.0, 0), row("held-out", 1.0, 1.0, 0)],
+    }
+    lines = bench_matrix.draws_summary(rows_by_seed, "tune")
+    assert lines[0].startswith("tune shapes over 2 batch draws (seeds 0 1): at the bar 1/4, "
+                               "windows missed 2, geometric mean 0.99x, worst 0.80x")
+    assert lines[1] == ("  seed 0: at the bar 1/2, windows missed 1, geometric mean 0.98x, "
+                        "worst 0.80x")
+    assert lines[2].startswith("  seed 1: at the bar 0/2, windows missed 1")
+    held = bench_matrix.draws_summary(rows_by_seed, "held-out")
+    assert held[0].endswith("at the bar 1/2, windows missed 2, geometric mean 1.41x, worst 1.00x")
+    assert bench_matrix.draws_summary({0: []}, "tune") == []
+
+
+def test_windows_missed_counts_the_run_windows(bench_matrix: ModuleType) -> None:
+    """A run with 10 windows, 80% met, missed 2."""
+    run = {"windows_met_frac": 0.8, "window_ttft_p95_s": [0.1] * 10}
+    assert bench_matrix.windows_missed(run) == 2
