@@ -362,14 +362,12 @@ def at_bar(row: dict[str, object]) -> bool:
 
 def draw_figures(rows: Sequence[dict[str, object]]) -> str:
     """One batch draw's rows in a line: rows at the bar, windows missed, ratios."""
-    ratios = [float(r["ratio"]) for r in rows  # type: ignore[arg-type]
-              if isinstance(r["ratio"], float) and math.isfinite(r["ratio"])]
+    ratios = finite_ratios(rows)
     bar = sum(1 for r in rows if at_bar(r))
     missed = sum(int(r["law_windows_missed"]) for r in rows)  # type: ignore[call-overload]
     text = f"at the bar {bar}/{len(rows)}, windows missed {missed}"
     if ratios:
-        gmean = float(np.exp(np.mean(np.log(np.maximum(ratios, 1e-9)))))
-        text += f", geometric mean {gmean:.2f}x, worst {min(ratios):.2f}x"
+        text += f", geometric mean {geometric_mean(ratios):.2f}x, worst {min(ratios):.2f}x"
     return text
 
 
@@ -412,14 +410,24 @@ def format_rows(rows: Sequence[dict[str, object]]) -> str:
     return "\n".join(lines)
 
 
+def finite_ratios(rows: Sequence[dict[str, object]]) -> list[float]:
+    """The rows' law/static ratios where a static cap met every window."""
+    return [float(r["ratio"]) for r in rows  # type: ignore[arg-type]
+            if isinstance(r["ratio"], float) and math.isfinite(r["ratio"])]
+
+
+def geometric_mean(ratios: Sequence[float]) -> float:
+    """Geometric mean of positive ratios (a 0 counts as 1e-9)."""
+    return float(np.exp(np.mean(np.log(np.maximum(ratios, 1e-9)))))
+
+
 def summary_line(rows: Sequence[dict[str, object]]) -> str:
     """Worst and geometric-mean ratio, and how many rows meet every window."""
-    ratios = [float(r["ratio"]) for r in rows  # type: ignore[arg-type]
-              if isinstance(r["ratio"], float) and math.isfinite(r["ratio"])]
+    ratios = finite_ratios(rows)
     met = sum(1 for r in rows if float(r["law_windows_met_frac"]) >= 1.0)  # type: ignore[arg-type]
     if not ratios:
         return f"no static cap met every window; law met every window in {met}/{len(rows)} rows"
-    gmean = float(np.exp(np.mean(np.log(np.maximum(ratios, 1e-9)))))
+    gmean = geometric_mean(ratios)
     return (f"law/static: worst {min(ratios):.2f}x, geometric mean {gmean:.2f}x over "
             f"{len(ratios)} rows; law met every window in {met}/{len(rows)} rows")
 

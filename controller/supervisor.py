@@ -276,7 +276,7 @@ def missing_signals(
     earlier than the counts' window, so the first requests after a quiet spell leave the
     p95 empty while the burn already counts their samples.
     """
-    idle = {
+    covered = {
         "ttft_p95_s": obs.ttft_idle() or burns[0] is not None,
         "itl_p95_s": obs.itl_idle() or burns[1] is not None,
         "success_rate": obs.interactive_requests == 0 or obs.ttft_idle(),
@@ -284,7 +284,7 @@ def missing_signals(
     missing = [
         name
         for name in config.required
-        if not math.isfinite(getattr(obs, name)) and not idle.get(name, False)
+        if not math.isfinite(getattr(obs, name)) and not covered.get(name, False)
     ]
     if not math.isfinite(obs.age_s) or obs.age_s > config.max_age_s:
         missing.append(f"age {obs.age_s:.1f}s > {config.max_age_s:.1f}s")

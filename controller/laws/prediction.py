@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field, replace
+from itertools import pairwise
 
 from borrowd.controller.laws.base import Law, LawTick, Proposal
 from borrowd.models.errors import ConfigError
@@ -57,9 +58,8 @@ def mean_applied(history: deque[tuple[float, float]], start_s: float, end_s: flo
     if not history or end_s <= start_s:
         return math.nan
     total = weight = 0.0
-    entries = list(history)
-    for (t, u), nxt in zip(entries, [*entries[1:], (math.inf, 0.0)], strict=True):
-        lo, hi = max(t, start_s), min(nxt[0], end_s)
+    for (t, u), (t_next, _) in pairwise([*history, (math.inf, 0.0)]):
+        lo, hi = max(t, start_s), min(t_next, end_s)
         if hi > lo:
             total += u * (hi - lo)
             weight += hi - lo
