@@ -263,9 +263,12 @@ def refine_rates(runs: Sequence[dict[str, object]], seqs: int, ceiling: float) -
 
 def run_matrix(shapes: Sequence[Shape], duration_s: float, grid: Grid, law: str, seed: int,
                workers: int, settings: tuple[str, ...] = (),
-               step_guard_frac: float = DEFAULT_STEP_GUARD_FRAC) -> list[dict[str, object]]:
+               step_guard_frac: float = DEFAULT_STEP_GUARD_FRAC,
+               interference_series: bool = True) -> list[dict[str, object]]:
     """Every shape under every enforcement: law (under controller `settings`), best static,
-    and the figures (rows); the plugin's step guard at `step_guard_frac` in every run."""
+    and the figures (rows); the plugin's step guard at `step_guard_frac` in every run; the
+    law's engines without interference series unless `interference_series` (the static caps
+    read no signal, so theirs stay as they are and cached)."""
     with ProcessPoolExecutor(max_workers=workers) as pool:
         paths = dict(zip((s.name for s in shapes),
                          pool.map(prepare_trace, shapes, [duration_s] * len(shapes)),
@@ -274,7 +277,8 @@ def run_matrix(shapes: Sequence[Shape], duration_s: float, grid: Grid, law: str,
         def cell(shape: Shape, policy: str, slo: Slo, enforcement: str) -> Cell:
             sc = replace(base_scenario(shape, duration_s, step_guard_frac), slo=slo,
                          enforcement=enforcement,
-                         interactive_trace=paths[shape.name])
+                         interactive_trace=paths[shape.name],
+                         interference_series=interference_series or policy != law)
             return Cell(shape.name, sc, policy, duration_s, seed, paths[shape.name])
 
         first = [cell(s, p, Slo(), ADMISSION) for s in shapes for p in ("none", "priority")]
@@ -477,6 +481,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--step-guard-frac", type=float, default=DEFAULT_STEP_GUARD_FRAC,
                    help="the engine plugin's step guard under engine enforcement, in every "
                         f"run (x the ITL SLO; 0: off; default {DEFAULT_STEP_GUARD_FRAC})")
+    p.add_argument("--no-interference-series", action="store_true",
+                   help="the law's engines export no interference series (bare vLLM behind "
+                        "the gate and the proxy): the daemon reads no batch share")
     p.add_argument("--workers", type=int, default=2, help="parallel runs (processes)")
     p.add_argument("--json", type=Path, help="write the rows to this file")
     p.add_argument("--plot", type=Path, help="write the bar plot (PNG)")
@@ -508,12 +515,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows_by_seed = {
         seed: [{**r, "seed": seed} for r in run_matrix(
             shapes, duration_s, grid, args.law, seed, args.workers, settings,
-            args.step_guard_frac)]
+            args.step_guard_frac, not args.no_interference_series)]
         for seed in seeds
     }
     shown = f" ({', '.join(settings)})" if settings else ""
     if args.step_guard_frac != DEFAULT_STEP_GUARD_FRAC:
         shown += f" (step guard {args.step_guard_frac:g})"
+    if args.no_interference_series:
+        shown += " (no interference series)"
     print(f"robustness matrix: law {args.law}{shown}, {duration_s:g} s per run, "
           f"{'quick' if args.quick else 'full'} sweep, {time.perf_counter() - wall0:.0f} s wall")
     for seed, rows in rows_by_seed.items():

@@ -75,6 +75,9 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help=f"how the batch budget is enforced ({' | '.join(ENFORCEMENTS)}): "
                         "the admission gate, or the gate plus the engine plugin's per-step "
                         "batch token limit (default: the scenario's)")
+    p.add_argument("--no-interference-series", action="store_true",
+                   help="the engines export no interference series (bare vLLM behind the gate "
+                        "and the proxy): the daemon reads no batch share of the burns")
     p.add_argument("--engine", default=DEFAULT_ENGINE,
                    help=f"engine core ({', '.join(sorted(ENGINE_CORES))})")
 
@@ -89,6 +92,8 @@ def _scenario(args: argparse.Namespace) -> Scenario:
             raise InputError(f"--enforcement must be one of {', '.join(ENFORCEMENTS)}, "
                              f"got {args.enforcement!r}")
         changes["enforcement"] = args.enforcement
+    if args.no_interference_series:
+        changes["interference_series"] = False
     if args.profile:
         get_profile(args.profile)
         changes["profile"] = args.profile

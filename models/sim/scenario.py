@@ -128,6 +128,10 @@ class Scenario:
     # decodes under this x the ITL SLO (`models.enforcement.StepGuard`; 0: off), as a plugin
     # given BORROWD_SLO_ITL_S and BORROWD_STEP_GUARD_FRAC does.
     step_guard_frac: float = DEFAULT_STEP_GUARD_FRAC
+    # The engines export the interference series (`adapters.interference`: the vLLM plugin,
+    # enforcing or with BORROWD_ENFORCE=false, or the emulator), so the daemon reads the
+    # batch share of the burns; false: bare engines behind the gate and the proxy, no share.
+    interference_series: bool = True
     jobs: JobsSpec | None = None  # batch jobs (`models.sim.jobs_spec`): the batch demand
 
     def __post_init__(self) -> None:
@@ -260,6 +264,9 @@ KEYS: tuple[Key, ...] = (
     Key("step_guard_frac", float, "under engine enforcement, the plugin's step guard holds "
         "steps carrying interactive decodes under this x the ITL SLO (0: off)",
         "scenario.step_guard_frac", low=0, high=1),
+    Key("interference_series", bool, "the engines export the interference series (the vLLM "
+        "plugin or the emulator), so the daemon reads which share of the burn batch caused; "
+        "false: bare engines, no share", "scenario.interference_series"),
     Key("ttft_timeout_s", float, "an interactive request waiting longer than this for its "
         "first token fails (s)", "scenario.ttft_timeout_s", low=0, low_open=True),
     Key("window_s", float, "length of the SLO verdict windows (s)", "scenario.window_s",

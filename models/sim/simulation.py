@@ -79,6 +79,7 @@ class RunResult:
             "policy": self.policy,
             "scenario": sc.name,
             "enforcement": sc.enforcement,
+            "interference_series": sc.interference_series,
             "duration_s": self.duration_s,
             "seed": self.seed,
             "wall_s": round(self.wall_s, 3),
@@ -494,7 +495,9 @@ class Simulation:
         one: the daemon config's rules window, as the daemon reads) as Prometheus would serve
         them at `now_s` (`signal_ends`): the recorded series over the samples scraped by the
         last rule evaluation, aged since it; the burn shares over those scraped by now. Gauges
-        of the moment (KV usage, queue, oldest wait, batch in flight) are read at `now_s`."""
+        of the moment (KV usage, queue, oldest wait, batch in flight) are read at `now_s`. The
+        batch shares of the burns are NaN where the engines export no interference series
+        (`Scenario.interference_series` false)."""
         if pool != self.scenario.pool:
             return Observation(now_s=now_s, age_s=math.inf)
         rec = self.rec
@@ -518,6 +521,7 @@ class Simulation:
                                                    self.scenario.slo)
         waited = sum(rec.interactive_wait_s_per_s[lo:hi])
         waited_batch = sum(rec.interactive_wait_batch_s_per_s[lo:hi])
+        series = self.scenario.interference_series  # else bare engines: no batch share
         return Observation(
             now_s=now_s,
             age_s=now_s - evaluated_s,
@@ -538,8 +542,9 @@ class Simulation:
             window_s=w,
             itl_samples=itl_n,
             ttft_samples=ttft_n,
-            itl_over_slo_batch_frac=itl_batch,
-            interactive_wait_batch_frac=waited_batch / waited if waited > 0 else math.nan,
+            itl_over_slo_batch_frac=itl_batch if series else math.nan,
+            interactive_wait_batch_frac=(waited_batch / waited if waited > 0 and series
+                                         else math.nan),
             kv_capacity_tokens=float(sum(
                 e.config.num_gpu_blocks * e.config.block_size for e in engines)),
         )

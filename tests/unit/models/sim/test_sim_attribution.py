@@ -13,9 +13,10 @@ from borrowd.models.sim.simulation import Simulation
 SEED_RATE_SCALE = 0.2672
 
 
-def _observe_after(policy: str, duration_s: float = 60.0):
+def _observe_after(policy: str, duration_s: float = 60.0, interference_series: bool = True):
     # Read fresh at the run's end (no monitoring delay: this is about what is counted).
-    scenario = replace(SEED, scrape_interval_s=0.0, evaluation_interval_s=0.0)
+    scenario = replace(SEED, scrape_interval_s=0.0, evaluation_interval_s=0.0,
+                       interference_series=interference_series)
     trace, lengths = load_inputs(scenario)
     sim = Simulation(scenario, parse_policy(policy, scenario), duration_s=duration_s, seed=1,
                      trace=trace, rate_scale=SEED_RATE_SCALE, lengths=lengths)
@@ -41,3 +42,12 @@ def test_no_batch_attributes_nothing() -> None:
     assert obs.itl_samples > 0
     assert math.isnan(obs.itl_over_slo_batch_frac)
     assert not obs.interactive_wait_batch_frac > 0.0
+
+
+def test_bare_engines_export_no_share() -> None:
+    """Engines without the interference series (bare vLLM behind the gate): the burn is
+    still read, its batch shares are not (NaN), as the daemon would read them."""
+    obs = _observe_after("priority", interference_series=False)
+    assert obs.itl_over_slo_frac > 0.05
+    assert math.isnan(obs.itl_over_slo_batch_frac)
+    assert math.isnan(obs.interactive_wait_batch_frac)
