@@ -70,6 +70,7 @@ class PluginConfig:
     batch_eligible: bool = True
     slo_itl_s: tuple[float, ...] = ()
     step_guard_frac: float = DEFAULT_STEP_GUARD_FRAC
+    enforce: bool = True
 
     def __post_init__(self) -> None:
         for slo_s in self.slo_itl_s:
@@ -102,7 +103,10 @@ class PluginConfig:
         interference histogram, where the daemon reads the burn; default none, vLLM's bounds
         only, which hold the default 50 ms; the smallest is the step guard's SLO),
         `BORROWD_STEP_GUARD_FRAC` (the step guard holds steps carrying interactive decodes
-        under this x that SLO, default 0.9; 0: off)."""
+        under this x that SLO, default 0.9; 0: off), `BORROWD_ENFORCE` (`true`, the default,
+        or `false`: the engine only counts and serves the interference series, for a pool
+        whose budget the admission gate alone enforces; it reads no budget, caps no batch
+        token and runs no step guard)."""
         from borrowd.adapters.redis_conn import resolve_redis_url
 
         env = os.environ if env is None else env
@@ -120,12 +124,15 @@ class PluginConfig:
             slo_itl_s=_env_seconds(env, "BORROWD_SLO_ITL_S"),
             step_guard_frac=_env_number(env, "BORROWD_STEP_GUARD_FRAC", float,
                                         DEFAULT_STEP_GUARD_FRAC),
+            enforce=_env_bool(env, "BORROWD_ENFORCE", True),
         )
 
     def step_guard(self) -> StepGuard | None:
         """The step guard this engine runs (`models.enforcement.StepGuard`): at
         `step_guard_frac` x the smallest ITL SLO (the default 50 ms when none is given);
-        None when off."""
+        None when off, or when the plugin does not enforce."""
+        if not self.enforce:
+            return None
         return step_guard_for(min(self.slo_itl_s, default=Slo().itl_p95_s),
                               self.step_guard_frac)
 

@@ -34,7 +34,10 @@ offset by the engine's data-parallel rank; unset: not served), `BORROWD_BATCH_EL
 batch token, so its interactive requests are scheduled as if no batch were queued),
 `BORROWD_SLO_ITL_S` (the pool's p95 ITL SLOs in seconds, comma-separated, when not the default
 50 ms: each is a bound of the interference histogram, where the daemon reads the gaps above
-the SLO; the smallest is also the step guard's), `BORROWD_STEP_GUARD_FRAC` (0.9; 0: off).
+the SLO; the smallest is also the step guard's), `BORROWD_STEP_GUARD_FRAC` (0.9; 0: off),
+`BORROWD_ENFORCE` (true; false: observe only, for a pool the admission gate alone enforces:
+the engine schedules as vLLM's own scheduler does, reads no budget, and only counts and
+serves the interference series, so the daemon reads which share of the burns batch caused).
 
 Step guard (`models.enforcement.StepGuard`; its SLO the smallest of `BORROWD_SLO_ITL_S`, else
 50 ms): after a step that carried
@@ -138,8 +141,10 @@ class BudgetEnforcement(_SchedulerBase):
         self._clock = clock
         self._step_clock = step_clock
         self._watcher: BudgetWatcher | None = None
+        self.enforcing = self.plugin_config.enforce
         if budget_source is None:
-            budget_source = (self._start_watcher() if self.plugin_config.batch_eligible
+            budget_source = (self._start_watcher()
+                             if self.plugin_config.batch_eligible and self.enforcing
                              else StaticBudgetSource())
         self.budget_source = budget_source
         self.step_timer = StepTimer()
@@ -194,7 +199,17 @@ class BudgetEnforcement(_SchedulerBase):
         self.step_timer.observe(step_s)
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
-        """vLLM's schedule with this step's batch allowance and sequence cap in force."""
+        """vLLM's schedule with this step's batch allowance and sequence cap in force (none
+        when the plugin only observes)."""
+        if self.enforcing:
+            self._limit_step()
+        out = super().schedule(*args, **kwargs)
+        if self._step_clock is not None and out.total_num_scheduled_tokens > 0:
+            self.step_timer.started(self._step_clock())
+        return out
+
+    def _limit_step(self) -> None:
+        """Set this step's batch allowance, sequence cap and KV cap from the budget."""
         current = (self.budget_source.current(self._clock())
                    if self.plugin_config.batch_eligible else None)
         self.budget = engine_share(current, self.plugin_config.engines_in_pool)
@@ -212,10 +227,6 @@ class BudgetEnforcement(_SchedulerBase):
         self._batch_running = len(running_batch)
         self._batch_kv_tokens = sum(_kv_tokens(r) for r in running_batch)
         self._batch_admitted = 0
-        out = super().schedule(*args, **kwargs)
-        if self._step_clock is not None and out.total_num_scheduled_tokens > 0:
-            self.step_timer.started(self._step_clock())
-        return out
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         """vLLM's update, timing the step that just ended and counting its interference."""
@@ -255,6 +266,9 @@ class BudgetEnforcement(_SchedulerBase):
         self, request: Request, num_computed_tokens: int, num_new_tokens: int
     ) -> int:
         """vLLM's chunk for `request` this step, batch capped first, then vLLM's lookahead."""
+        if not self.enforcing:
+            return super()._reserve_prefill_lookahead(request, num_computed_tokens,
+                                                      num_new_tokens)
         if num_new_tokens > 0 and self.is_batch(request):
             num_new_tokens = self._batch_cap(request, num_computed_tokens, num_new_tokens)
             if num_new_tokens == 0:

@@ -159,3 +159,26 @@ def test_a_taken_metrics_port_does_not_stop_the_engine() -> None:
             h.step(sched)
     assert "i0" not in sched.requests  # finished
     assert _value(sched.metrics_registry, ITL_METRIC + "_count", "false") == 2
+
+
+def test_observe_only_plugin_schedules_as_vllm_and_counts_interference() -> None:
+    """`BORROWD_ENFORCE=false`: with no budget record at all the plugin schedules batch as
+    vLLM's own scheduler does (step for step the same tokens) and still counts the gaps that
+    ended in steps carrying batch, for a pool the admission gate alone enforces."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    config = PluginConfig.from_env({"BORROWD_POOL": POOL, "BORROWD_ENFORCE": "false"})
+    assert not config.enforce and config.step_guard() is None
+    sched = h.scheduler(h.engine_config(), BorrowdScheduler, step_clock=StepClock(),
+                        budget_source=StaticBudgetSource(None), plugin_config=config)
+    plain = h.scheduler(h.engine_config(), Scheduler)
+    for s in (sched, plain):
+        h.add(s, "i0", 100, 40)
+        h.add(s, "i1", 100, 40)
+        h.add(s, "b0", 32768, 16, priority=h.BATCH_PRIORITY, arrival_s=0.5)
+    for _ in range(8):
+        assert h.step(sched) == h.step(plain)
+    assert sched.requests["b0"].num_computed_tokens > 0  # no record, and batch still ran
+    counts = _counts(sched)
+    assert counts["gaps_batch"] > 0
+    assert counts["gaps_batch"] + counts["gaps_clean"] == 14  # 7 steps after the first x 2

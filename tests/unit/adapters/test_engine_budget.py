@@ -160,6 +160,16 @@ def test_batch_eligible_must_be_a_boolean() -> None:
         PluginConfig.from_env({"BORROWD_POOL": "chat", "BORROWD_BATCH_ELIGIBLE": "maybe"})
 
 
+def test_enforce_from_env_turns_the_plugin_into_an_observer() -> None:
+    """BORROWD_ENFORCE defaults to true; false keeps the interference series but runs no step
+    guard (it enforces nothing); a value that is not a boolean names the variable."""
+    assert PluginConfig.from_env({"BORROWD_POOL": "chat"}).enforce
+    observer = PluginConfig.from_env({"BORROWD_POOL": "chat", "BORROWD_ENFORCE": "false"})
+    assert not observer.enforce and observer.step_guard() is None
+    with pytest.raises(ConfigError, match="BORROWD_ENFORCE must be true or false, got"):
+        PluginConfig.from_env({"BORROWD_POOL": "chat", "BORROWD_ENFORCE": "sometimes"})
+
+
 def test_step_guard_is_unbounded_until_a_slow_step_carries_batch() -> None:
     """The guard leaves the rate's allowance alone until a step past its target that carried
     both interactive decodes and batch tokens; 0 stays 0 (no record, revoked)."""
