@@ -112,7 +112,10 @@ class BurnWindow:
         scale = min(1.0, dt_s / window_s) if window_s > 0 and math.isfinite(window_s) else 1.0
         n = samples * scale
         over = over_frac * n
-        caused = over * batch_frac if math.isfinite(batch_frac) else math.nan
+        # No sample over the SLO: nothing for batch to have caused, whatever the share
+        # (the engines' share is 0/0 there, and must not make the window's share unknown).
+        caused = over * batch_frac if math.isfinite(batch_frac) else (
+            0.0 if over == 0.0 else math.nan)
         self._ticks.append((now_s, over, n, caused))
         horizon = now_s - self.config.slow_s
         while self._ticks and self._ticks[0][0] <= horizon:

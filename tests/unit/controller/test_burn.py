@@ -79,3 +79,21 @@ def test_batch_share_follows_the_attribution() -> None:
     unknown = BurnWindow(BurnConfig())
     t = _feed(unknown, 20, 0.1, 1000.0)
     assert math.isnan(unknown.reading(t).batch_share)
+
+
+def test_ticks_with_nothing_over_the_slo_leave_the_share_known() -> None:
+    """A tick with no sample over the SLO has no share to report (0/0: NaN from the engines),
+    and nothing of it was caused by batch: the window's share comes from the ticks that had
+    samples over the SLO, not unknown for a quiet tick among them. Without attribution at
+    all the share stays unknown."""
+    window = BurnWindow(BurnConfig())
+    t = 0.0
+    for i in range(20):
+        over, share = (0.1, 0.6) if i % 2 else (0.0, math.nan)
+        window.add(t, over, 1000.0, 5.0, 1.0, share)
+        t += 1.0
+    assert window.reading(t - 1.0).batch_share == pytest.approx(0.6)
+    bare = BurnWindow(BurnConfig())
+    for i in range(20):
+        bare.add(float(i), 0.1 if i % 2 else 0.0, 1000.0, 5.0, 1.0, math.nan)
+    assert math.isnan(bare.reading(19.0).batch_share)
