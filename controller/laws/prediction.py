@@ -12,9 +12,11 @@ over the SLO for every interactive decode in it), so, per output, the law sees
     predicted = burn * (1 - s) + burn * s * min(max_ratio, u_now / u_seen)
 
 with s the reading's batch share (the share of its over-SLO samples that fell in steps
-carrying batch tokens, or of interactive wait spent behind batch prefill; NaN: unknown, no
-prediction) and u_seen the mean budget applied over the span the reading covers,
-[now - age - observation window - burn window, now - age]. A budget that rose since its
+carrying batch tokens, or of interactive wait spent behind batch prefill; NaN where the
+engines export no interference series: then `unknown_share`, and only for a budget that
+rose, so a prediction without attribution never makes the law bolder) and u_seen the mean
+budget applied over the span the reading covers, [now - age - observation window - burn
+window, now - age]. A budget that rose since its
 burn was read is seen to burn more before the burn shows; one that was just cut is not cut
 again for the burn of the budget before it. This is Smith's predictor (1957) with a model
 that is a proportion, so no identified plant is needed. The supervisor's cuts read the
@@ -45,10 +47,19 @@ class PredictConfig:
         default=4.0,
         metadata={"unit": "1", "help": "the most a prediction scales the batch-caused burn"},
     )
+    unknown_share: float = field(
+        default=1.0,
+        metadata={"unit": "1", "help": "the batch share assumed where the engines export no "
+                                       "interference series, only ever to predict more burn "
+                                       "(a budget that rose); 0: no prediction there"},
+    )
 
     def __post_init__(self) -> None:
         if not self.max_ratio >= 1.0:
             raise ConfigError(f"predict.max_ratio must be >= 1, got {self.max_ratio!r}")
+        if not 0.0 <= self.unknown_share <= 1.0:
+            raise ConfigError(
+                f"predict.unknown_share must be in [0, 1], got {self.unknown_share!r}")
 
 
 def mean_applied(history: deque[tuple[float, float]], start_s: float, end_s: float) -> float:
@@ -67,17 +78,23 @@ def mean_applied(history: deque[tuple[float, float]], start_s: float, end_s: flo
 
 
 def predicted_burn(burn: float, batch_share: float, u_now_tokens_per_s: float,
-                   u_seen_tokens_per_s: float, max_ratio: float) -> float:
+                   u_seen_tokens_per_s: float, max_ratio: float,
+                   unknown_share: float) -> float:
     """The burn that the budget now will cause, from one read under `u_seen_tokens_per_s`
-    (module docstring); the burn as read when the batch share or the budget it was read
-    under is unknown."""
+    (module docstring); the burn as read when the budget it was read under is unknown. An
+    unknown batch share (NaN) counts as `unknown_share`, and then only where the budget
+    rose: without the engines' attribution a prediction may make the law more careful,
+    never bolder."""
     u_seen = u_seen_tokens_per_s
-    if not (math.isfinite(burn) and math.isfinite(batch_share) and math.isfinite(u_seen)):
+    if not (math.isfinite(burn) and math.isfinite(u_seen)) or u_seen <= 0.0:
         return burn
-    if u_seen <= 0.0:
-        return burn
-    share = min(max(batch_share, 0.0), 1.0)
     ratio = min(max_ratio, max(u_now_tokens_per_s, 0.0) / u_seen)
+    if math.isfinite(batch_share):
+        share = min(max(batch_share, 0.0), 1.0)
+    elif ratio > 1.0:
+        share = unknown_share
+    else:
+        return burn
     return burn * (1.0 - share) + burn * share * ratio
 
 
@@ -104,7 +121,7 @@ class BurnPredicted:
             span_s = rules_s + (window_s if math.isfinite(window_s) else 0.0)
             u_seen = mean_applied(self.history, end_s - span_s, end_s)
             burns.append(predicted_burn(burn, share, tick.u_applied_tokens_per_s, u_seen,
-                                        self.config.max_ratio))
+                                        self.config.max_ratio, self.config.unknown_share))
             if math.isfinite(u_seen) and u_seen > 0:
                 self.last_ratio = tick.u_applied_tokens_per_s / u_seen
         return self.inner.propose(replace(tick, burns=tuple(burns)))

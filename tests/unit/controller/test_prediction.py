@@ -35,8 +35,28 @@ NAN = math.nan
 def test_the_batch_share_of_a_burn_scales_with_the_budget(
     burn: float, share: float, u_now: float, u_seen: float, expected: float
 ) -> None:
-    got = predicted_burn(burn, share, u_now, u_seen, max_ratio=4.0)
+    got = predicted_burn(burn, share, u_now, u_seen, max_ratio=4.0, unknown_share=0.0)
     assert got == pytest.approx(expected, nan_ok=True)
+
+
+@pytest.mark.parametrize(("u_now", "unknown_share", "expected"), [
+    (60_000.0, 1.0, 1.5),  # the budget rose: the whole burn is assumed batch's
+    (60_000.0, 0.5, 1.25),
+    (60_000.0, 0.0, 1.0),  # no assumption: as read
+    (20_000.0, 1.0, 1.0),  # the budget fell: never predicted lower without a share
+], ids=["rose-all", "rose-half", "rose-none", "fell"])
+def test_an_unknown_share_only_ever_predicts_more_burn(
+    u_now: float, unknown_share: float, expected: float
+) -> None:
+    """Engines that export no interference series: the assumed share scales a burn up for a
+    budget that rose and leaves it as read for one that fell (careful, never bolder)."""
+    got = predicted_burn(1.0, NAN, u_now, 40_000.0, max_ratio=4.0, unknown_share=unknown_share)
+    assert got == pytest.approx(expected)
+
+
+def test_an_unknown_share_out_of_range_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match=r"predict\.unknown_share must be in \[0, 1\]"):
+        PredictConfig(unknown_share=1.5)
 
 
 def test_the_budget_a_reading_saw_is_its_time_weighted_mean_over_the_span() -> None:
@@ -74,15 +94,19 @@ def tick(now_s: float, u: float, burns: tuple[float, float], shares: tuple[float
 
 def test_a_budget_that_doubled_since_the_reading_doubles_the_batch_burn_seen() -> None:
     """Over 40 s at 20k then a rise to 40k: a reading that covers [t-30, t-5] saw 20k, so the
-    ITL burn (all batch) reads twice; the TTFT burn (share unknown) passes as read."""
+    ITL burn (all batch) reads twice; the TTFT burn (share unknown, none assumed) passes as
+    read, and with the default assumption for an unknown share it reads twice too."""
     inner = Recorder()
-    law = BurnPredicted(inner, PredictConfig())
+    law = BurnPredicted(inner, PredictConfig(unknown_share=0.0))
     for t in range(40):
         law.applied(tick(float(t), 20_000.0, (0.2, 0.2), (NAN, 1.0)), 20_000.0)
     law.applied(tick(40.0, 20_000.0, (0.2, 0.2), (NAN, 1.0)), 40_000.0)
     law.propose(tick(41.0, 40_000.0, (0.5, 0.5), (NAN, 1.0)))
     assert inner.burns == pytest.approx((0.5, 1.0))
     assert law.state()["predict_budget_ratio"] == pytest.approx(2.0)
+    law.config = PredictConfig()
+    law.propose(tick(41.0, 40_000.0, (0.5, 0.5), (NAN, 1.0)))
+    assert inner.burns == pytest.approx((1.0, 1.0))
 
 
 def test_disabled_the_burns_pass_as_read() -> None:
