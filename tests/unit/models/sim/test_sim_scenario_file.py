@@ -181,3 +181,16 @@ def test_profile_file_beside_the_scenario(tmp_path: Path) -> None:
     sc = load_scenario_file(path)
     assert Path(sc.profile) == tmp_path / "gpu.toml"
     assert get_profile(sc.profile).name == "a100-llama3-8b"
+
+
+def test_bare_engines_are_a_scenario_key(tmp_path: Path) -> None:
+    """`interference_series = false` runs a fleet whose engines export no batch share (bare
+    vLLM behind the gate); the default is engines that do; a non-boolean names the key."""
+    path = tmp_path / "bare.toml"
+    path.write_text("interference_series = false\n")
+    assert load_scenario_file(path).interference_series is False
+    path.write_text("replicas = 4\n")
+    assert load_scenario_file(path).interference_series is True
+    path.write_text('interference_series = "no"\n')
+    with pytest.raises(InputError, match=r"interference_series must be true or false"):
+        load_scenario_file(path)
