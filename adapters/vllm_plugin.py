@@ -141,10 +141,9 @@ class BudgetEnforcement(_SchedulerBase):
         self._clock = clock
         self._step_clock = step_clock
         self._watcher: BudgetWatcher | None = None
-        self.enforcing = self.plugin_config.enforce
         if budget_source is None:
             budget_source = (self._start_watcher()
-                             if self.plugin_config.batch_eligible and self.enforcing
+                             if self.plugin_config.batch_eligible and self.plugin_config.enforce
                              else StaticBudgetSource())
         self.budget_source = budget_source
         self.step_timer = StepTimer()
@@ -201,7 +200,7 @@ class BudgetEnforcement(_SchedulerBase):
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         """vLLM's schedule with this step's batch allowance and sequence cap in force (none
         when the plugin only observes)."""
-        if self.enforcing:
+        if self.plugin_config.enforce:
             self._limit_step()
         out = super().schedule(*args, **kwargs)
         if self._step_clock is not None and out.total_num_scheduled_tokens > 0:
@@ -266,7 +265,7 @@ class BudgetEnforcement(_SchedulerBase):
         self, request: Request, num_computed_tokens: int, num_new_tokens: int
     ) -> int:
         """vLLM's chunk for `request` this step, batch capped first, then vLLM's lookahead."""
-        if not self.enforcing:
+        if not self.plugin_config.enforce:
             return super()._reserve_prefill_lookahead(request, num_computed_tokens,
                                                       num_new_tokens)
         if num_new_tokens > 0 and self.is_batch(request):
