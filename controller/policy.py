@@ -39,12 +39,13 @@ from borrowd.controller.laws.wrappers import FeedForward, GainScheduled, Schedul
 from borrowd.controller.supervisor import (
     NO_BURNS,
     ModeEvent,
+    RampInputs,
     SupervisorConfig,
     SupervisorState,
     supervise,
 )
 from borrowd.models.budget import Budget
-from borrowd.models.enforcement import ADMISSION, ENFORCEMENTS
+from borrowd.models.enforcement import ADMISSION, ENFORCEMENTS, ENGINE
 from borrowd.models.errors import ConfigError
 from borrowd.models.plant.model import PlantModel
 from borrowd.models.signals import Observation, Slo
@@ -266,6 +267,8 @@ class ControllerPolicy:
             self.config.supervisor, self.sup_state, proposal.tick.obs, self.slo,
             proposal.u_tokens_per_s, dt_s, now_s, stopped=stopped, burns=burns,
             ceiling=proposal.ceiling_tokens_per_s,
+            ramp=RampInputs(step_guarded=self.config.enforcement == ENGINE,
+                            forecast_tokens_per_s=proposal.tick.du_forecast_tokens_per_s),
         )
         self.sup_state = decision.state
         if ceiling_tokens_per_s is not None and decision.u > ceiling_tokens_per_s:

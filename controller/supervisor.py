@@ -19,7 +19,11 @@
              where it is instead: a handover never publishes an open budget of nothing.
              After a cut the pool reopens straight into open at a share of the budget before
              the cut (`ramp_start_frac`, at least the ramp's least start), as TCP resumes at
-             its slow-start threshold after a loss; the law climbs on from there
+             its slow-start threshold after a loss; the law climbs on from there. Under
+             engine enforcement with `ramp_doubling_engine_s` set, the plugin's step guard
+             holds ITL step by step, so the ramp doubles that often whatever the windows,
+             holds at what batch uses (RFC 7661) and ends on the law's feedback alone
+             (`RampInputs`)
     closed   budget 0: entered at once when an SLO burns, KV usage passes its limit or the
              oldest interactive wait passes its limit (a multiple of the TTFT SLO); left only
              after every signal has stayed under its (lower) reopen threshold for `quiet_s`,
@@ -164,6 +168,14 @@ class SupervisorConfig:
         default=15.0,
         metadata={"unit": "s", "help": "the ramp doubles this often (multiplicative rise)"},
     )
+    ramp_doubling_engine_s: float = field(
+        default=0.0,
+        metadata={"unit": "s",
+                  "help": "under controller.enforcement = engine, the ramp doubles this often "
+                          "whatever the burn windows, holds at what batch uses instead of "
+                          "ending there, and ends on the law's feedback, not its forecast "
+                          "(0: ramps as an admission pool does)"},
+    )
     ramp_slew_tokens_per_s2: float = field(
         default=500.0,
         metadata={"unit": "tokens/s per s", "help": "ramp rise rate added to the doubling"},
@@ -207,7 +219,8 @@ class SupervisorConfig:
                 "supervisor needs revoke_factor >= 1 and ramp_start_frac in [0, 1], got "
                 f"{self.revoke_factor!r}, {self.ramp_start_frac!r}"
             )
-        for name in ("quiet_s", "floor_tokens_per_s", "cut_slow_burn", "ramp_slew_tokens_per_s2"):
+        for name in ("quiet_s", "floor_tokens_per_s", "cut_slow_burn", "ramp_slew_tokens_per_s2",
+                     "ramp_doubling_engine_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"supervisor.{name} must be >= 0, got {getattr(self, name)!r}")
         for name in ("ramp_min_tokens_per_s", "ramp_doubling_s", "ramp_cap_tokens_per_s",
@@ -218,6 +231,19 @@ class SupervisorConfig:
         unknown = [name for name in self.required if name not in known]
         if unknown:
             raise ConfigError(f"supervisor.required names unknown signals {unknown}")
+
+
+@dataclass(frozen=True)
+class RampInputs:
+    """What the ramp reads beyond the burns: whether the engines hold every step under the
+    ITL SLO (`controller.enforcement = engine`), and the feed-forward forecast's part of the
+    law's proposal (tokens/s). With `ramp_doubling_engine_s` set, a guarded pool's ramp ends
+    when the law's feedback asks for less than the ramp, not when the forecast moves: a
+    forecast a few ticks old is mostly its own noise, and at a 2k tokens/s start it ended
+    the ramp within a tick."""
+
+    step_guarded: bool = False
+    forecast_tokens_per_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -399,11 +425,14 @@ def supervise(
     stopped: bool = False,
     burns: Burns = NO_BURNS,
     ceiling: float = math.inf,
+    ramp: RampInputs = RampInputs(),
 ) -> SupervisorDecision:
     """One tick of supervision over the law's proposal `u_law` (see the module docstring);
     `burns` are the (TTFT, ITL) burn readings when the policy keeps them; `ceiling` bounds
-    the ramp as it bounds the law (a budget that follows use)."""
-    new_state, u = _next(config, state, obs, slo, u_law, dt_s, now_s, stopped, burns, ceiling)
+    the ramp as it bounds the law (a budget that follows use); `ramp` says how the engines
+    enforce and what share of `u_law` is the forecast's."""
+    new_state, u = _next(config, state, obs, slo, u_law, dt_s, now_s, stopped, burns, ceiling,
+                         ramp)
     events: tuple[ModeEvent, ...] = ()
     if new_state.mode != state.mode:
         events = (ModeEvent(now_s, state.mode, new_state.mode, new_state.reason),)
@@ -428,6 +457,7 @@ def _next(
     stopped: bool,
     burns: Burns,
     ceiling: float,
+    ramp_in: RampInputs,
 ) -> tuple[SupervisorState, float]:
     closed_since_now = SupervisorState(Mode.CLOSED, math.nan, 0.0, "")
     if stopped:
@@ -480,7 +510,12 @@ def _next(
             reason = "ramp ends: a signal above its reopen threshold"
             return SupervisorState(Mode.OPEN, math.nan, 0.0, reason, False), _handover(
                 u_law, state.ramp_tokens_per_s)
-        return _ramp(config, state, u_law, dt_s, ceiling, ramp_doubling_s(config, obs, slo, burns))
+        guarded = ramp_in.step_guarded and config.ramp_doubling_engine_s > 0
+        if guarded:
+            return _ramp(config, state, u_law, dt_s, ceiling, config.ramp_doubling_engine_s,
+                         u_law - ramp_in.forecast_tokens_per_s, hold_at_ceiling=True)
+        return _ramp(config, state, u_law, dt_s, ceiling, ramp_doubling_s(config, obs, slo, burns),
+                     u_law)
     return replace(state, quiet_since_s=math.nan, revoke=False), max(0.0, u_law)
 
 
@@ -530,16 +565,25 @@ def ramp_doubling_s(config: SupervisorConfig, obs: Observation, slo: Slo, burns:
 def _ramp(
     config: SupervisorConfig, state: SupervisorState, u_law: float, dt_s: float, ceiling: float,
     doubling_s: float,
+    u_feedback: float,
+    *,
+    hold_at_ceiling: bool = False,
 ) -> tuple[SupervisorState, float]:
     """One tick of the slow start (module docstring): `state.ramp_tokens_per_s` is the budget
-    applied last tick, which the law's proposal `u_law` started from."""
+    applied last tick, which the law's proposal `u_law` started from; the ramp ends when
+    `u_feedback` (`u_law`, or `u_law` without its forecast term) is below it. Where
+    `hold_at_ceiling`, a ramp that reaches what batch uses holds there (application-limited,
+    as RFC 7661 keeps a sender's window) and doubles on once batch uses more."""
     applied = state.ramp_tokens_per_s
-    if 0.0 < u_law < applied:
+    if u_law > 0.0 and u_feedback < applied:
         return SupervisorState(Mode.OPEN, math.nan, 0.0, "law below the ramp", False), u_law
     if u_law <= 0.0:
         return replace(state, reason="ramp held: the law proposes nothing"), applied
     slew = config.ramp_slew_tokens_per_s2 * config.ramp_doubling_s / doubling_s
     ramp = applied * 2.0 ** (dt_s / doubling_s) + slew * dt_s
+    if ramp >= ceiling and hold_at_ceiling:
+        held = max(applied, ceiling)
+        return replace(state, ramp_tokens_per_s=held, reason="ramp held at what batch uses"), held
     if ramp >= ceiling:
         reason = "ramp reached what batch uses"
         return SupervisorState(Mode.OPEN, math.nan, 0.0, reason, False), min(u_law, ceiling)

@@ -31,8 +31,9 @@ class LawTick:
     """One tick as a law sees it.
 
     `ys` are p95/SLO per output (`OUTPUTS` order) and `burns` the SLO burns (share above the
-    SLO / 0.05; NaN when not measured or not tracked); `du_ff_tokens_per_s`, `forecast` and
-    `ff_gain` come from the feed-forward wrapper, `gain_ratios` (local/nominal plant gain per
+    SLO / 0.05; NaN when not measured or not tracked); `du_ff_tokens_per_s` (of which
+    `du_forecast_tokens_per_s` is the forecast's part, the rest the capacity step), `forecast`
+    and `ff_gain` come from the feed-forward wrapper, `gain_ratios` (local/nominal plant gain per
     output) from the gain-scheduling wrapper; without them they are neutral.
     `batch_seqs_cap` is the sequence cap of the budget in force (inf: none known), so a
     wrapper can tell batch that is held by its caps from batch that has no more work;
@@ -47,6 +48,7 @@ class LawTick:
     dt_s: float
     burns: tuple[float, ...] = NAN_PER_OUTPUT
     du_ff_tokens_per_s: float = 0.0
+    du_forecast_tokens_per_s: float = 0.0
     forecast: ForecastState = field(default_factory=ForecastState)
     ff_gain: float = 0.0
     gain_ratios: tuple[float, ...] = (1.0,) * len(OUTPUTS)

@@ -60,10 +60,10 @@ class FeedForward:
             du_ff = -(ff_now - self.prev_ff_tokens_per_s)
         if math.isfinite(ff_now):
             self.prev_ff_tokens_per_s = ff_now
-        du_ff += self._capacity_step(tick)
-        return self.inner.propose(
-            replace(tick, du_ff_tokens_per_s=du_ff, forecast=self.forecast_state, ff_gain=ff.gain)
-        )
+        return self.inner.propose(replace(
+            tick, du_ff_tokens_per_s=du_ff + self._capacity_step(tick),
+            du_forecast_tokens_per_s=du_ff, forecast=self.forecast_state, ff_gain=ff.gain,
+        ))
 
     def _capacity_step(self, tick: LawTick) -> float:
         """u_applied * (C[k] / C[k-1] - 1) when the engine capacity C moved (module docstring)."""

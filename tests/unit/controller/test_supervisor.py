@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 from borrowd.controller.burn import BurnReading
 from borrowd.controller.supervisor import (
+    RampInputs,
     SupervisorConfig,
     SupervisorState,
     ramp_doubling_s,
@@ -337,3 +338,48 @@ def test_the_ramp_doubles_once_per_window_of_a_sparse_signal_near_its_slo() -> N
     assert paced.mode == free.mode == Mode.RAMP
     assert paced.u == pytest.approx(2000.0 * 2 ** 0.25 + 1000.0 * 15.0 / 60.0 * 15.0)
     assert free.u == pytest.approx(2000.0 * 2 ** (15.0 / 15.0) + 1000.0 * 15.0)
+
+
+ENGINE_RAMP = replace(CFG, ramp_doubling_engine_s=3.0, ramp_cap_tokens_per_s=1e9)
+GUARDED = RampInputs(step_guarded=True)
+
+
+def test_a_guarded_ramp_doubles_at_its_own_pace_whatever_the_windows() -> None:
+    """Under engine enforcement with `ramp_doubling_engine_s` set, a sparse TTFT near its SLO
+    (which paces an admission pool's ramp to one doubling a minute) leaves the doubling at
+    3 s; unset (0), or on an admission pool, the windows pace it as before."""
+    state = SupervisorState(mode=Mode.RAMP, ramp_tokens_per_s=2000.0)
+    sparse = (_reading(60.0, 24.0), _reading(10.0, 3000.0))
+    near = obs(ttft_p95_s=0.7)
+    guarded = supervise(ENGINE_RAMP, state, near, SLO, 1e6, 3.0, 0.0, burns=sparse, ramp=GUARDED)
+    assert guarded.mode == Mode.RAMP
+    assert guarded.u == pytest.approx(2000.0 * 2.0 + 1000.0 * 15.0 / 3.0 * 3.0)
+    for config, ramp in ((ENGINE_RAMP, RampInputs()), (replace(ENGINE_RAMP,
+                         ramp_doubling_engine_s=0.0), GUARDED)):
+        paced = supervise(config, state, near, SLO, 1e6, 3.0, 0.0, burns=sparse, ramp=ramp)
+        assert paced.u == pytest.approx(2000.0 * 2 ** (3.0 / 60.0) + 1000.0 * 15.0 / 60.0 * 3.0)
+
+
+def test_a_guarded_ramp_ends_on_the_feedback_not_on_the_forecast() -> None:
+    """A proposal below the ramp only by the forecast's move keeps a guarded ramp going;
+    the law's feedback below the ramp ends it, as it ends any ramp."""
+    state = SupervisorState(mode=Mode.RAMP, ramp_tokens_per_s=2000.0)
+    forecast = RampInputs(step_guarded=True, forecast_tokens_per_s=-100.0)
+    kept = supervise(ENGINE_RAMP, state, obs(), SLO, 1950.0, 1.0, 0.0, ramp=forecast)
+    assert kept.mode == Mode.RAMP and kept.u > 2000.0
+    ended = supervise(ENGINE_RAMP, state, obs(), SLO, 1850.0, 1.0, 0.0, ramp=forecast)
+    assert ended.mode == Mode.OPEN and ended.u == 1850.0
+    unguarded = supervise(ENGINE_RAMP, state, obs(), SLO, 1950.0, 1.0, 0.0,
+                          ramp=replace(forecast, step_guarded=False))
+    assert unguarded.mode == Mode.OPEN and "law below the ramp" in unguarded.reason
+
+
+def test_a_guarded_ramp_holds_where_batch_stops_using_its_budget() -> None:
+    """A guarded ramp that reaches the validated ceiling holds there in ramp (batch is
+    application-limited, RFC 7661) and doubles on once the ceiling rises."""
+    state = SupervisorState(mode=Mode.RAMP, ramp_tokens_per_s=2000.0)
+    held = supervise(ENGINE_RAMP, state, obs(), SLO, 1e6, 1.0, 0.0, ceiling=2500.0, ramp=GUARDED)
+    assert held.mode == Mode.RAMP and held.u == 2500.0
+    assert "held at what batch uses" in held.reason
+    on = supervise(ENGINE_RAMP, held.state, obs(), SLO, 1e6, 1.0, 1.0, ceiling=1e6, ramp=GUARDED)
+    assert on.mode == Mode.RAMP and on.u > 2500.0
