@@ -109,7 +109,8 @@ def _healthy(port: int) -> bool:
 
 @pytest.fixture
 def stack() -> Iterator[Stack]:
-    """The three servers on free ports, stopped by PID afterwards."""
+    """The three servers on free ports, stopped by PID afterwards (a Redis a test restarted
+    included)."""
     borrowd = shutil.which("borrowd")
     assert borrowd, "the borrowd console script is not installed (pip install -e .)"
     redis_proc = start_redis()
@@ -127,7 +128,10 @@ def stack() -> Iterator[Stack]:
         port = free_port()
         nginx = start_nginx(_nginx_blocks(gate.workdir, port, gate_port, free_port()), port)
         started.append(nginx)
-        yield Stack(redis_proc, gate, nginx)
+        stack = Stack(redis_proc, gate, nginx)
+        yield stack
+        # A test that restarts Redis leaves the new server on the stack: stop that one too.
+        started.append(stack.redis)
     finally:
         for server in reversed(started):
             server.stop()
