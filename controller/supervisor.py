@@ -511,11 +511,10 @@ def _next(
             return SupervisorState(Mode.OPEN, math.nan, 0.0, reason, False), _handover(
                 u_law, state.ramp_tokens_per_s)
         guarded = ramp_in.step_guarded and config.ramp_doubling_engine_s > 0
-        if guarded:
-            return _ramp(config, state, u_law, dt_s, ceiling, config.ramp_doubling_engine_s,
-                         u_law - ramp_in.forecast_tokens_per_s, hold_at_ceiling=True)
-        return _ramp(config, state, u_law, dt_s, ceiling, ramp_doubling_s(config, obs, slo, burns),
-                     u_law)
+        u_feedback = u_law - ramp_in.forecast_tokens_per_s if guarded else u_law
+        return _ramp(config, state, u_law, dt_s, ceiling,
+                     ramp_doubling_s(config, obs, slo, burns, guarded=guarded), u_feedback,
+                     hold_at_ceiling=guarded)
     return replace(state, quiet_since_s=math.nan, revoke=False), max(0.0, u_law)
 
 
@@ -544,12 +543,17 @@ def _handover(u_law: float, ramp_tokens_per_s: float) -> float:
     return u_law if u_law > 0 else ramp_tokens_per_s
 
 
-def ramp_doubling_s(config: SupervisorConfig, obs: Observation, slo: Slo, burns: Burns) -> float:
+def ramp_doubling_s(config: SupervisorConfig, obs: Observation, slo: Slo, burns: Burns, *,
+                    guarded: bool = False) -> float:
     """How often the ramp doubles: `ramp_doubling_s`, or the window a burn needed to hold
     its least sample count when that is longer and its output's p95 is not known to be
     under half its SLO. Slow start doubles once per round trip; a sparse signal near its SLO
     takes a whole window to confirm a level, and a ramp doubling faster than that outruns
-    it (its slew slows by the same ratio)."""
+    it (its slew slows by the same ratio). A `guarded` pool (engine enforcement with
+    `ramp_doubling_engine_s` set: the step guard holds ITL step by step) doubles every
+    `ramp_doubling_engine_s` whatever the windows."""
+    if guarded:
+        return config.ramp_doubling_engine_s
     doubling = config.ramp_doubling_s
     for reading, norm in zip(burns, (obs.ttft_norm(slo), obs.itl_norm(slo)), strict=True):
         if reading is None:
