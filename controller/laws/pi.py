@@ -144,6 +144,14 @@ class PiConfig:
         default=10.0,
         metadata={"unit": "s", "help": "window of the fall floor (one decrease per window)"},
     )
+    fall_window_follows_burn: bool = field(
+        default=False,
+        metadata={
+            "unit": "bool",
+            "help": "the fall floor's window is at least the burn window of the loop that "
+            "governs (one decrease per burn window, however long sparse traffic makes it)",
+        },
+    )
     delay_scaling: bool = field(
         default=True,
         metadata={
@@ -282,6 +290,25 @@ def fall_floor(recent_applied_tokens_per_s: list[float], floor_frac: float) -> f
     return floor_frac * max(recent_applied_tokens_per_s, default=0.0)
 
 
+RECENT_KEEP_S = 300.0  # the longest burn window the fall floor follows
+
+
+def floor_window_s(cfg: PiConfig, burn_windows_s: tuple[float, ...], selected: int) -> float:
+    """How far back the fall floor looks: `fall_window_s`, or with `fall_window_follows_burn`
+    at least the burn window of the selected loop (at most `RECENT_KEEP_S`).
+
+    A burn computed from sparse samples holds one burst of late first tokens for as long as
+    its window (40-60 s on a quiet pool); with a fixed 10 s fall window the law cut 0.7x once
+    per 10 s for the whole of that, five or six times for one event.
+    """
+    window_s = cfg.fall_window_s
+    if cfg.fall_window_follows_burn and 0 <= selected < len(burn_windows_s):
+        burn_window_s = burn_windows_s[selected]
+        if math.isfinite(burn_window_s):
+            window_s = max(window_s, min(burn_window_s, RECENT_KEEP_S))
+    return window_s
+
+
 class PiLaw:
     """The PI law as a `Law`: one velocity-form loop per output on its SLO burn when
     measured (against the burn setpoint), else on p95/SLO; gains from the plant by `method`
@@ -332,8 +359,10 @@ class PiLaw:
         cfg = self.config
         u_applied = tick.u_applied_tokens_per_s
         self.recent_u.append((now_s, u_applied))
+        keep_s = RECENT_KEEP_S if cfg.fall_window_follows_burn else 0.0
         while self.recent_u and self.recent_u[0][0] < now_s - max(cfg.gain_window_s,
-                                                                   cfg.fall_window_s):
+                                                                   cfg.fall_window_s,
+                                                                   keep_s):
             self.recent_u.popleft()
         u_recent = max(u for t, u in self.recent_u if t >= now_s - cfg.gain_window_s)
         lateness = tuple(delay_scale(w, self.fast_s, cfg.delay_scaling and y >= NEAR_SLO_NORM)
@@ -356,7 +385,8 @@ class PiLaw:
         self.pi_state = result.state
         # The floor bounds the reaction to the feedback only; a measured disturbance (the
         # feed-forward's step: an interactive burst, a replica lost) passes through whole.
-        recent = [u for t, u in self.recent_u if t >= now_s - cfg.fall_window_s]
+        window_s = floor_window_s(cfg, tick.burn_windows_s, result.selected)
+        recent = [u for t, u in self.recent_u if t >= now_s - window_s]
         du_ff = tick.du_ff_tokens_per_s
         floor = min(u_applied, fall_floor(recent, cfg.fall_floor_frac))
         u = max(result.u - du_ff, floor) + du_ff

@@ -209,6 +209,28 @@ def test_pi_law_falls_at_most_one_multiplicative_step_per_window():
     assert law.propose(burn_tick(u, 5.0, 14.0)).u_tokens_per_s < 0.7 * peak
 
 
+@pytest.mark.parametrize(("follows", "falls"), [(True, 1), (False, 3)],
+                         ids=["follows-burn", "fixed-window"])
+def test_pi_falls_once_per_burn_window_when_it_follows_the_burn(follows, falls):
+    """A burn held by a 40 s window (sparse samples) is one event: with
+    `fall_window_follows_burn` the law falls one multiplicative step for it in those 40 s,
+    where a fixed 10 s fall window lets it fall again every 10 s."""
+    config = PiConfig(setpoint_itl_burn=0.9, fall_floor_frac=0.7, fall_window_s=10.0,
+                      fall_window_follows_burn=follows)
+    law = PiLaw(LawSettings(1.0, 200_000.0, None, {"pi": config}))
+
+    def tick(u: float, burn: float, now_s: float) -> LawTick:
+        return replace(burn_tick(u, burn, now_s), burn_windows_s=(math.nan, 40.0))
+
+    u = 40_000.0
+    for t in range(3):
+        u = law.propose(tick(u, 0.5, float(t))).u_tokens_per_s
+    peak = u
+    for t in range(3, 30):
+        u = law.propose(tick(u, 5.0, float(t))).u_tokens_per_s
+    assert u == pytest.approx(0.7**falls * peak)
+
+
 @pytest.mark.parametrize("frac", [-0.1, 1.0], ids=["negative", "one"])
 def test_pi_fall_floor_out_of_range_is_refused(frac):
     """fall_floor_frac must lie in [0, 1): the error names the key."""
