@@ -290,23 +290,19 @@ def fall_floor(recent_applied_tokens_per_s: list[float], floor_frac: float) -> f
     return floor_frac * max(recent_applied_tokens_per_s, default=0.0)
 
 
-RECENT_KEEP_S = 300.0  # the longest burn window the fall floor follows
-
-
 def floor_window_s(cfg: PiConfig, burn_windows_s: tuple[float, ...], selected: int) -> float:
     """How far back the fall floor looks: `fall_window_s`, or with `fall_window_follows_burn`
-    at least the burn window of the selected loop (at most `RECENT_KEEP_S`).
+    at least the burn window of the selected loop (itself at most `burn.slow_s`).
 
     A burn computed from sparse samples holds one burst of late first tokens for as long as
     its window (40-60 s on a quiet pool); with a fixed 10 s fall window the law cut 0.7x once
     per 10 s for the whole of that, five or six times for one event.
     """
-    window_s = cfg.fall_window_s
     if cfg.fall_window_follows_burn and 0 <= selected < len(burn_windows_s):
         burn_window_s = burn_windows_s[selected]
         if math.isfinite(burn_window_s):
-            window_s = max(window_s, min(burn_window_s, RECENT_KEEP_S))
-    return window_s
+            return max(cfg.fall_window_s, burn_window_s)
+    return cfg.fall_window_s
 
 
 class PiLaw:
@@ -339,7 +335,11 @@ class PiLaw:
         itl_burn = (cfg.setpoint_itl_burn_engine if settings.enforcement == ENGINE
                     else cfg.setpoint_itl_burn)
         self.burn_setpoints = (cfg.setpoint_ttft_burn, itl_burn)
-        self.fast_s = settings.table("burn", BurnConfig).fast_s
+        burn = settings.table("burn", BurnConfig)
+        self.fast_s = burn.fast_s
+        # The budgets the gain scale and the fall floor look back over (`floor_window_s`).
+        self.history_s = max(cfg.gain_window_s, cfg.fall_window_s,
+                             burn.slow_s if cfg.fall_window_follows_burn else 0.0)
         self.pi_state = PiState.initial(len(OUTPUTS))
         self.recent_u: deque[tuple[float, float]] = deque()
 
@@ -359,10 +359,7 @@ class PiLaw:
         cfg = self.config
         u_applied = tick.u_applied_tokens_per_s
         self.recent_u.append((now_s, u_applied))
-        keep_s = RECENT_KEEP_S if cfg.fall_window_follows_burn else 0.0
-        while self.recent_u and self.recent_u[0][0] < now_s - max(cfg.gain_window_s,
-                                                                   cfg.fall_window_s,
-                                                                   keep_s):
+        while self.recent_u and self.recent_u[0][0] < now_s - self.history_s:
             self.recent_u.popleft()
         u_recent = max(u for t, u in self.recent_u if t >= now_s - cfg.gain_window_s)
         lateness = tuple(delay_scale(w, self.fast_s, cfg.delay_scaling and y >= NEAR_SLO_NORM)
