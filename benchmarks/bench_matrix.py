@@ -22,6 +22,12 @@ a controller change runs only the law.
     python3 benchmarks/bench_matrix.py --quick                 # 600 s runs, small sweep
     python3 benchmarks/bench_matrix.py --quick --seed 0 1 2 3  # per draw, then their sums
     python3 benchmarks/bench_matrix.py --duration 3600 --plot matrix.png --json matrix.json
+    python3 benchmarks/bench_matrix.py --quick --explain diurnal:admission   # one row's story
+
+`--explain SHAPE:ENFORCEMENT` runs the law on that one row (its SLO from the cached run without
+borrowing, under `--set` and the first `--seed`) and prints each 60 s window (p95 TTFT and ITL
+over the SLO, batch tokens/s, misses) and each mode change with its reason: where a row of the
+table lost its windows or its throughput.
 """
 
 from __future__ import annotations
@@ -209,6 +215,45 @@ def run_cell(cell: Cell, settings: tuple[str, ...] = ()) -> dict[str, object]:
         "window_itl_p95_s": [w["itl_p95_s"] for w in windows],  # type: ignore[index]
         "wall_s": s["wall_s"],
     }
+
+
+def explain_cell(shape: Shape, enforcement: str, duration_s: float, law: str, seed: int,
+                 settings: tuple[str, ...] = (),
+                 step_guard_frac: float = DEFAULT_STEP_GUARD_FRAC) -> list[str]:
+    """The lines of `--explain`: the law's run on one row of the matrix, window by window,
+    and its mode changes with their reasons."""
+    path = prepare_trace(shape, duration_s)
+    base = replace(base_scenario(shape, duration_s, step_guard_frac), interactive_trace=path)
+    none_run = run_cell_cached(Cell(shape.name, replace(base, slo=Slo(), enforcement=ADMISSION),
+                                    "none", duration_s, seed, path))
+    slo = shape_slo(shape, none_run)
+    res = run_scenario(replace(base, slo=slo, enforcement=enforcement), law,
+                       duration_s=duration_s, seed=seed, trace_path=path, rate_scale=1.0,
+                       controllers=SimControllers(settings=settings))
+    return explain_lines(res.summary(), slo)
+
+
+def explain_lines(summary: dict[str, object], slo: Slo) -> list[str]:
+    """A run's windows (p95s over the SLO, batch tokens/s, missed) and mode changes."""
+    batch = summary["batch"]
+    inter = summary["interactive"]
+    lines = [f"SLO p95 TTFT {slo.ttft_p95_s:g} s, ITL {1000 * slo.itl_p95_s:g} ms; batch "
+             f"{batch['tokens_per_s']:.0f} tokens/s, windows met "  # type: ignore[index]
+             f"{inter['slo_windows_met_frac']:.3f}, revocations "  # type: ignore[index]
+             f"{batch['revocations']}",  # type: ignore[index]
+             "window start s | TTFT/SLO | ITL/SLO | batch tok/s | met"]
+    for w in summary["windows"]:  # type: ignore[attr-defined]
+        lines.append(f"{w['start_s']:14.0f} | {w['ttft_p95_s'] / slo.ttft_p95_s:8.2f} | "
+                     f"{w['itl_p95_s'] / slo.itl_p95_s:7.2f} | "
+                     f"{w['batch_tokens_per_s']:11.0f} | {'yes' if w['slo_met'] else 'MISSED'}")
+    lines.append("mode changes (t s, mode, budget tokens/s, reason)")
+    last = None
+    for e in summary["budget_timeline"]:  # type: ignore[attr-defined]
+        if e["mode"] != last:
+            lines.append(f"{e['t_s']:8.1f} {e['mode']:8s} {e['batch_tokens_per_s']:9.0f} "
+                         f"{e['reason']}")
+            last = e["mode"]
+    return lines
 
 
 def mode_changes_after_start(modes: Sequence[object]) -> int:
@@ -485,6 +530,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="the law's engines export no interference series (bare vLLM behind "
                         "the gate and the proxy): the daemon reads no batch share")
     p.add_argument("--workers", type=int, default=2, help="parallel runs (processes)")
+    p.add_argument("--explain", metavar="SHAPE:ENFORCEMENT",
+                   help="run the law on this one row and print its windows and mode changes")
     p.add_argument("--json", type=Path, help="write the rows to this file")
     p.add_argument("--plot", type=Path, help="write the bar plot (PNG)")
     args = p.parse_args(argv)
@@ -511,6 +558,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"bench_matrix: --set: {exc}", file=sys.stderr)
         return 2
     seeds = list(dict.fromkeys(args.seed))
+    if args.explain:
+        name, _, enforcement = args.explain.partition(":")
+        if enforcement not in ENFORCEMENTS:
+            print(f"bench_matrix: --explain needs SHAPE:ENFORCEMENT with enforcement one of "
+                  f"{', '.join(ENFORCEMENTS)}, got {args.explain!r}", file=sys.stderr)
+            return 2
+        try:
+            shape = get_shape(name)
+        except InputError as exc:
+            print(f"bench_matrix: --explain: {exc}", file=sys.stderr)
+            return 2
+        print("\n".join(explain_cell(shape, enforcement, duration_s, args.law, seeds[0],
+                                     settings, args.step_guard_frac)))
+        return 0
     wall0 = time.perf_counter()
     rows_by_seed = {
         seed: [{**r, "seed": seed} for r in run_matrix(
