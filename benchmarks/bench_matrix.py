@@ -219,15 +219,18 @@ def run_cell(cell: Cell, settings: tuple[str, ...] = ()) -> dict[str, object]:
 
 def explain_cell(shape: Shape, enforcement: str, duration_s: float, law: str, seed: int,
                  settings: tuple[str, ...] = (),
-                 step_guard_frac: float = DEFAULT_STEP_GUARD_FRAC) -> list[str]:
-    """The lines of `--explain`: the law's run on one row of the matrix, window by window,
-    and its mode changes with their reasons."""
+                 step_guard_frac: float = DEFAULT_STEP_GUARD_FRAC,
+                 interference_series: bool = True) -> list[str]:
+    """The lines of `--explain`: the law's run on one row of the matrix (the same run as the
+    table's, so the same figures), window by window, and its mode changes with reasons."""
     path = prepare_trace(shape, duration_s)
     base = replace(base_scenario(shape, duration_s, step_guard_frac), interactive_trace=path)
     none_run = run_cell_cached(Cell(shape.name, replace(base, slo=Slo(), enforcement=ADMISSION),
                                     "none", duration_s, seed, path))
     slo = shape_slo(shape, none_run)
-    res = run_scenario(replace(base, slo=slo, enforcement=enforcement), law,
+    scenario = replace(base, slo=slo, enforcement=enforcement,
+                       interference_series=interference_series)
+    res = run_scenario(scenario, law,
                        duration_s=duration_s, seed=seed, trace_path=path, rate_scale=1.0,
                        controllers=SimControllers(settings=settings))
     return explain_lines(res.summary(), slo)
@@ -570,7 +573,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"bench_matrix: --explain: {exc}", file=sys.stderr)
             return 2
         print("\n".join(explain_cell(shape, enforcement, duration_s, args.law, seeds[0],
-                                     settings, args.step_guard_frac)))
+                                     settings, args.step_guard_frac,
+                                     not args.no_interference_series)))
         return 0
     wall0 = time.perf_counter()
     rows_by_seed = {
