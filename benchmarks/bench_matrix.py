@@ -181,9 +181,19 @@ def run_cell_cached(cell: Cell, settings: tuple[str, ...] = ()) -> dict[str, obj
     return result
 
 
-def run_cell(cell: Cell, settings: tuple[str, ...] = ()) -> dict[str, object]:
-    """Run one cell (a law under controller `settings`); the figures the matrix needs (and
-    each window's p95s)."""
+def matrix_cell(shape: Shape, policy: str, slo: Slo, enforcement: str, *, duration_s: float,
+                seed: int, trace_path: str, step_guard_frac: float = DEFAULT_STEP_GUARD_FRAC,
+                interference_series: bool = True) -> Cell:
+    """The run of `policy` on a shape at `slo` under `enforcement`, as the matrix runs it (the
+    table and `--explain` both build their runs here)."""
+    scenario = replace(base_scenario(shape, duration_s, step_guard_frac), slo=slo,
+                       enforcement=enforcement, interactive_trace=trace_path,
+                       interference_series=interference_series)
+    return Cell(shape.name, scenario, policy, duration_s, seed, trace_path)
+
+
+def simulate(cell: Cell, settings: tuple[str, ...] = ()) -> dict[str, object]:
+    """Run one cell (a law under controller `settings`); the simulator's whole summary."""
     res = run_scenario(
         cell.scenario,
         cell.policy,
@@ -193,7 +203,13 @@ def run_cell(cell: Cell, settings: tuple[str, ...] = ()) -> dict[str, object]:
         rate_scale=1.0,
         controllers=SimControllers(settings=settings),
     )
-    s = res.summary()
+    return res.summary()
+
+
+def run_cell(cell: Cell, settings: tuple[str, ...] = ()) -> dict[str, object]:
+    """Run one cell (a law under controller `settings`); the figures the matrix needs (and
+    each window's p95s)."""
+    s = simulate(cell, settings)
     windows = s["windows"]
     timeline = s["budget_timeline"]
     changes = mode_changes_after_start([e["mode"] for e in timeline])  # type: ignore[index]
@@ -223,17 +239,11 @@ def explain_cell(shape: Shape, enforcement: str, duration_s: float, law: str, se
                  interference_series: bool = True) -> list[str]:
     """The lines of `--explain`: the law's run on one row of the matrix (the same run as the
     table's, so the same figures), window by window, and its mode changes with reasons."""
-    path = prepare_trace(shape, duration_s)
-    base = replace(base_scenario(shape, duration_s, step_guard_frac), interactive_trace=path)
-    none_run = run_cell_cached(Cell(shape.name, replace(base, slo=Slo(), enforcement=ADMISSION),
-                                    "none", duration_s, seed, path))
-    slo = shape_slo(shape, none_run)
-    scenario = replace(base, slo=slo, enforcement=enforcement,
-                       interference_series=interference_series)
-    res = run_scenario(scenario, law,
-                       duration_s=duration_s, seed=seed, trace_path=path, rate_scale=1.0,
-                       controllers=SimControllers(settings=settings))
-    return explain_lines(res.summary(), slo)
+    run = partial(matrix_cell, duration_s=duration_s, seed=seed,
+                  trace_path=prepare_trace(shape, duration_s), step_guard_frac=step_guard_frac)
+    slo = shape_slo(shape, run_cell_cached(run(shape, "none", Slo(), ADMISSION)))
+    law_cell = run(shape, law, slo, enforcement, interference_series=interference_series)
+    return explain_lines(simulate(law_cell, settings), slo)
 
 
 def explain_lines(summary: dict[str, object], slo: Slo) -> list[str]:
@@ -323,11 +333,10 @@ def run_matrix(shapes: Sequence[Shape], duration_s: float, grid: Grid, law: str,
                          strict=True))
 
         def cell(shape: Shape, policy: str, slo: Slo, enforcement: str) -> Cell:
-            sc = replace(base_scenario(shape, duration_s, step_guard_frac), slo=slo,
-                         enforcement=enforcement,
-                         interactive_trace=paths[shape.name],
-                         interference_series=interference_series or policy != law)
-            return Cell(shape.name, sc, policy, duration_s, seed, paths[shape.name])
+            return matrix_cell(shape, policy, slo, enforcement, duration_s=duration_s,
+                               seed=seed, trace_path=paths[shape.name],
+                               step_guard_frac=step_guard_frac,
+                               interference_series=interference_series or policy != law)
 
         first = [cell(s, p, Slo(), ADMISSION) for s in shapes for p in ("none", "priority")]
         done = list(pool.map(run_cell_cached, first))
