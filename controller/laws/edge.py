@@ -8,7 +8,12 @@ CUBIC (RFC 9438) spends its time near the window at which it last saw loss: it r
 plateaus near W_max and probes beyond it slowly. As a wrapper around any law:
 
     drop       the applied budget falls below drop_frac x its highest of the last lookback_s
-               (the law's own fall, a back-off, a cut); at most one per lookback_s
+               (the law's own fall, a back-off, a cut) while batch burns an SLO (a burn
+               >= 1 of which batch caused at least batch_share, where the engines say; a p95
+               past its SLO where no burn is read); at most one per lookback_s. A fall with
+               nothing burning (the ramp handing over to a law that asks less, a cap) or on
+               a burn that batch did not cause (an interactive burst) says nothing about
+               where the edge is
     edge       the highest applied budget of the last lookback_s at the drop: where it burned
     growth     while u_applied >= near_frac x edge, a proposal above u_applied is scaled to
                u_applied + slow_frac x (u - u_applied); decreases pass whole
@@ -35,9 +40,9 @@ class EdgeConfig:
     """How growth slows near the last budget that was cut (module docstring)."""
 
     enabled: bool = field(
-        default=False,
-        metadata={"unit": "bool", "help": "slow growth near the last cut budget (off by "
-                                          "default until measured on the held-out matrix)"},
+        default=True,
+        metadata={"unit": "bool", "help": "slow growth near the last budget cut on a burn "
+                                          "batch caused"},
     )
     admission_only: bool = field(
         default=False,
@@ -63,6 +68,12 @@ class EdgeConfig:
         default=0.25, metadata={"unit": "1", "help": "share of the law's increase kept near "
                                                      "and above the edge"},
     )
+    batch_share: float = field(
+        default=0.5,
+        metadata={"unit": "1", "help": "a drop sets the edge only on a burn of which batch "
+                                       "caused at least this share (where the engines say)",
+                  "min": 0.0, "max": 1.0},
+    )
     memory_s: float = field(
         default=300.0, metadata={"unit": "s", "help": "the edge is forgotten this long after "
                                                       "its drop"},
@@ -76,6 +87,8 @@ class EdgeConfig:
         for name in ("drop_frac", "near_frac", "slow_frac"):
             if not 0 < getattr(self, name) <= 1:
                 raise ConfigError(f"edge.{name} must be in (0, 1], got {getattr(self, name)!r}")
+        if not 0 <= self.batch_share <= 1:
+            raise ConfigError(f"edge.batch_share must be in [0, 1], got {self.batch_share!r}")
         for name in ("lookback_s", "memory_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"edge.{name} must be > 0, got {getattr(self, name)!r}")
@@ -103,12 +116,22 @@ def shaped_increase(u_proposed: float, u_applied: float, edge: Edge, now_s: floa
     return u_applied + config.slow_frac * (u_proposed - u_applied)
 
 
+def batch_burning(tick: LawTick, batch_share: float) -> bool:
+    """True when batch makes some output spend its SLO faster than its rate: a burn >= 1
+    (where measured, else a p95 at or past the SLO) of which batch caused at least
+    `batch_share` (where the engines export the share)."""
+    return any(
+        (b >= 1.0 if math.isfinite(b) else y >= 1.0) and not share < batch_share
+        for b, y, share in zip(tick.burns, tick.ys, tick.burn_batch_shares, strict=True)
+    )
+
+
 def next_edge(edge: Edge, recent: deque[tuple[float, float]], now_s: float,
-              u_applied: float, config: EdgeConfig) -> Edge:
+              u_applied: float, config: EdgeConfig, burning: bool = True) -> Edge:
     """The edge after `u_applied` was applied at `now_s`, given the applied budgets of the
-    last `lookback_s` in `recent` (a drop sets it; one per lookback_s)."""
+    last `lookback_s` in `recent` (a drop while `burning` sets it; one per lookback_s)."""
     peak = max((u for _, u in recent), default=0.0)
-    dropped = peak > 0 and u_applied < config.drop_frac * peak
+    dropped = burning and peak > 0 and u_applied < config.drop_frac * peak
     if not dropped or now_s - edge.at_s < config.lookback_s:
         return edge
     return Edge(peak, now_s)
@@ -140,7 +163,8 @@ class EdgeMemory:
         now_s = tick.obs.now_s
         while self.recent and self.recent[0][0] <= now_s - self.config.lookback_s:
             self.recent.popleft()
-        self.edge = next_edge(self.edge, self.recent, now_s, u_tokens_per_s, self.config)
+        self.edge = next_edge(self.edge, self.recent, now_s, u_tokens_per_s, self.config,
+                              batch_burning(tick, self.config.batch_share))
         self.recent.append((now_s, u_tokens_per_s))
 
     def state(self) -> dict[str, float]:

@@ -12,6 +12,7 @@ from borrowd.controller.laws.edge import (
     Edge,
     EdgeConfig,
     EdgeMemory,
+    batch_burning,
     next_edge,
     shaped_increase,
 )
@@ -47,6 +48,35 @@ def test_a_drop_from_the_recent_peak_sets_the_edge_at_that_peak_once_per_lookbac
     assert later == Edge(18_000.0, 41.0)  # burned again lower: the edge moves down
 
 
+NAN2 = (math.nan, math.nan)
+
+
+@pytest.mark.parametrize(("burns", "ys", "shares", "burning"), [
+    ((0.2, 0.4), (0.1, 0.1), NAN2, False),
+    ((1.0, 0.4), (0.1, 0.1), NAN2, True),  # a burn at its rate, no share exported
+    ((math.nan, 0.4), (1.2, 0.1), NAN2, True),  # no burn read: the p95 past its SLO
+    ((0.2, math.nan), (0.1, 0.9), NAN2, False),
+    ((2.0, 0.4), (0.1, 0.1), (0.1, math.nan), False),  # an interactive burst, not batch
+    ((2.0, 0.4), (0.1, 0.1), (0.6, math.nan), True),  # batch caused most of it
+], ids=["quiet", "burn-at-rate", "p95-past-slo", "itl-p95-near", "burst-not-batch",
+        "batch-burn"])
+def test_batch_burning_reads_the_burn_where_measured_else_the_p95_and_its_cause(
+    burns: tuple[float, float], ys: tuple[float, float], shares: tuple[float, float],
+    burning: bool
+) -> None:
+    t = LawTick(Observation(now_s=1.0, age_s=0.5), ys, 10_000.0, 1.0, burns=burns,
+                burn_batch_shares=shares)
+    assert batch_burning(t, 0.5) is burning
+
+
+def test_a_fall_with_nothing_burning_sets_no_edge() -> None:
+    """The ramp handing over to a law that asks less, or a cap, is no evidence of the edge:
+    with it counted, a handover at 2k tokens/s slowed growth from 1.6k for 300 s."""
+    recent = deque([(0.0, 2_000.0)])
+    assert next_edge(Edge(), recent, 1.0, 1_400.0, CONFIG, burning=False) == Edge()
+    assert next_edge(Edge(), recent, 1.0, 1_400.0, CONFIG, burning=True) == Edge(2_000.0, 1.0)
+
+
 class Climber:
     """A law that always asks 2000 tokens/s more than applied."""
 
@@ -60,8 +90,9 @@ class Climber:
         return {}
 
 
-def tick(u: float, now_s: float) -> LawTick:
-    return LawTick(Observation(now_s=now_s, age_s=0.5), (0.1, 0.1), u, 1.0)
+def tick(u: float, now_s: float, ttft_burn: float = math.nan) -> LawTick:
+    return LawTick(Observation(now_s=now_s, age_s=0.5), (0.1, 0.1), u, 1.0,
+                   burns=(ttft_burn, math.nan))
 
 
 def test_after_a_cut_the_wrapper_returns_fast_and_plateaus_near_the_old_level() -> None:
@@ -72,7 +103,7 @@ def test_after_a_cut_the_wrapper_returns_fast_and_plateaus_near_the_old_level() 
         law.applied(tick(u, now), u)
         now += 1.0
     assert u == pytest.approx(30_000.0) and math.isnan(law.edge.tokens_per_s)
-    law.applied(tick(u, now), 10_000.0)  # a back-off
+    law.applied(tick(u, now, ttft_burn=2.0), 10_000.0)  # a back-off on a burning SLO
     assert law.edge.tokens_per_s == pytest.approx(30_000.0)
     u = 10_000.0
     steps = []
@@ -88,9 +119,9 @@ def test_after_a_cut_the_wrapper_returns_fast_and_plateaus_near_the_old_level() 
 
 
 def test_disabled_the_wrapper_passes_proposals_through() -> None:
-    """Off (the default), the law's proposals pass unchanged."""
-    assert not EdgeConfig().enabled
-    law = EdgeMemory(Climber(), EdgeConfig())
+    """Off (on by default), the law's proposals pass unchanged."""
+    assert EdgeConfig().enabled
+    law = EdgeMemory(Climber(), EdgeConfig(enabled=False))
     law.edge = Edge(10_000.0, 0.0)
     assert law.propose(tick(9_000.0, 1.0)).u_tokens_per_s == 11_000.0
 
@@ -112,7 +143,8 @@ def test_admission_only_leaves_a_plugin_pool_to_its_step_guard(
 
 
 @pytest.mark.parametrize("kwargs", [{"drop_frac": 0.0}, {"slow_frac": 1.5},
-                                    {"lookback_s": 0.0}, {"memory_s": -1.0}])
+                                    {"lookback_s": 0.0}, {"memory_s": -1.0},
+                                    {"batch_share": 1.5}])
 def test_bad_settings_are_refused_by_name(kwargs: dict[str, float]) -> None:
     with pytest.raises(ConfigError, match="edge." + next(iter(kwargs))):
         EdgeConfig(**kwargs)
