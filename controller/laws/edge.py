@@ -9,11 +9,13 @@ plateaus near W_max and probes beyond it slowly. As a wrapper around any law:
 
     drop       the applied budget falls below drop_frac x its highest of the last lookback_s
                (the law's own fall, a back-off, a cut) while batch burns an SLO (a burn
-               >= 1 of which batch caused at least batch_share, where the engines say; a p95
-               past its SLO where no burn is read); at most one per lookback_s. A fall with
-               nothing burning (the ramp handing over to a law that asks less, a cap) or on
-               a burn that batch did not cause (an interactive burst) says nothing about
-               where the edge is
+               >= 1 of which batch caused at least batch_share; a p95 past its SLO where no
+               burn is read); at most one per lookback_s. A fall with nothing burning (the
+               ramp handing over to a law that asks less, a cap) or on a burn that batch did
+               not cause (an interactive burst) says nothing about where the edge is. Where
+               the engines export no interference series the share counts as unknown_share
+               (default 0: the memory stands aside, since on such pools a burst's burn and
+               batch's look alike; with it counted the matrix lost rows at the bar)
     edge       the highest applied budget of the last lookback_s at the drop: where it burned
     growth     while u_applied >= near_frac x edge, a proposal above u_applied is scaled to
                u_applied + slow_frac x (u - u_applied); decreases pass whole
@@ -74,6 +76,12 @@ class EdgeConfig:
                                        "caused at least this share (where the engines say)",
                   "min": 0.0, "max": 1.0},
     )
+    unknown_share: float = field(
+        default=0.0,
+        metadata={"unit": "1", "help": "the batch share a burn counts as where the engines "
+                                       "export none (0: the memory stands aside there)",
+                  "min": 0.0, "max": 1.0},
+    )
     memory_s: float = field(
         default=300.0, metadata={"unit": "s", "help": "the edge is forgotten this long after "
                                                       "its drop"},
@@ -87,8 +95,9 @@ class EdgeConfig:
         for name in ("drop_frac", "near_frac", "slow_frac"):
             if not 0 < getattr(self, name) <= 1:
                 raise ConfigError(f"edge.{name} must be in (0, 1], got {getattr(self, name)!r}")
-        if not 0 <= self.batch_share <= 1:
-            raise ConfigError(f"edge.batch_share must be in [0, 1], got {self.batch_share!r}")
+        for name in ("batch_share", "unknown_share"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ConfigError(f"edge.{name} must be in [0, 1], got {getattr(self, name)!r}")
         for name in ("lookback_s", "memory_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"edge.{name} must be > 0, got {getattr(self, name)!r}")
@@ -116,12 +125,13 @@ def shaped_increase(u_proposed: float, u_applied: float, edge: Edge, now_s: floa
     return u_applied + config.slow_frac * (u_proposed - u_applied)
 
 
-def batch_burning(tick: LawTick, batch_share: float) -> bool:
+def batch_burning(tick: LawTick, batch_share: float, unknown_share: float = 0.0) -> bool:
     """True when batch makes some output spend its SLO faster than its rate: a burn >= 1
     (where measured, else a p95 at or past the SLO) of which batch caused at least
-    `batch_share` (where the engines export the share)."""
+    `batch_share` (a share the engines do not export counts as `unknown_share`)."""
     return any(
-        (b >= 1.0 if math.isfinite(b) else y >= 1.0) and not share < batch_share
+        (b >= 1.0 if math.isfinite(b) else y >= 1.0)
+        and (share if math.isfinite(share) else unknown_share) >= batch_share
         for b, y, share in zip(tick.burns, tick.ys, tick.burn_batch_shares, strict=True)
     )
 
@@ -164,7 +174,8 @@ class EdgeMemory:
         while self.recent and self.recent[0][0] <= now_s - self.config.lookback_s:
             self.recent.popleft()
         self.edge = next_edge(self.edge, self.recent, now_s, u_tokens_per_s, self.config,
-                              batch_burning(tick, self.config.batch_share))
+                              batch_burning(tick, self.config.batch_share,
+                                            self.config.unknown_share))
         self.recent.append((now_s, u_tokens_per_s))
 
     def state(self) -> dict[str, float]:

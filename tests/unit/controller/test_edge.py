@@ -51,22 +51,24 @@ def test_a_drop_from_the_recent_peak_sets_the_edge_at_that_peak_once_per_lookbac
 NAN2 = (math.nan, math.nan)
 
 
-@pytest.mark.parametrize(("burns", "ys", "shares", "burning"), [
-    ((0.2, 0.4), (0.1, 0.1), NAN2, False),
-    ((1.0, 0.4), (0.1, 0.1), NAN2, True),  # a burn at its rate, no share exported
-    ((math.nan, 0.4), (1.2, 0.1), NAN2, True),  # no burn read: the p95 past its SLO
-    ((0.2, math.nan), (0.1, 0.9), NAN2, False),
-    ((2.0, 0.4), (0.1, 0.1), (0.1, math.nan), False),  # an interactive burst, not batch
-    ((2.0, 0.4), (0.1, 0.1), (0.6, math.nan), True),  # batch caused most of it
+@pytest.mark.parametrize(("burns", "ys", "shares", "unknown_share", "burning"), [
+    ((0.2, 0.4), (0.1, 0.1), (0.9, 0.9), 0.0, False),
+    ((1.0, 0.4), (0.1, 0.1), (0.9, 0.9), 0.0, True),  # a batch burn at its rate
+    ((math.nan, 0.4), (1.2, 0.1), (0.9, 0.9), 0.0, True),  # no burn read: the p95 past
+    ((0.2, math.nan), (0.1, 0.9), (0.9, 0.9), 0.0, False),
+    ((2.0, 0.4), (0.1, 0.1), (0.1, math.nan), 0.0, False),  # an interactive burst, not batch
+    ((2.0, 0.4), (0.1, 0.1), (0.6, math.nan), 0.0, True),  # batch caused most of it
+    ((2.0, 0.4), (0.1, 0.1), NAN2, 0.0, False),  # no share exported: the memory stands aside
+    ((2.0, 0.4), (0.1, 0.1), NAN2, 1.0, True),  # ... unless told to count it as batch's
 ], ids=["quiet", "burn-at-rate", "p95-past-slo", "itl-p95-near", "burst-not-batch",
-        "batch-burn"])
+        "batch-burn", "unknown-cause", "unknown-counted"])
 def test_batch_burning_reads_the_burn_where_measured_else_the_p95_and_its_cause(
     burns: tuple[float, float], ys: tuple[float, float], shares: tuple[float, float],
-    burning: bool
+    unknown_share: float, burning: bool
 ) -> None:
     t = LawTick(Observation(now_s=1.0, age_s=0.5), ys, 10_000.0, 1.0, burns=burns,
                 burn_batch_shares=shares)
-    assert batch_burning(t, 0.5) is burning
+    assert batch_burning(t, 0.5, unknown_share) is burning
 
 
 def test_a_fall_with_nothing_burning_sets_no_edge() -> None:
@@ -90,9 +92,10 @@ class Climber:
         return {}
 
 
-def tick(u: float, now_s: float, ttft_burn: float = math.nan) -> LawTick:
+def tick(u: float, now_s: float, ttft_burn: float = math.nan,
+         ttft_batch_share: float = 1.0) -> LawTick:
     return LawTick(Observation(now_s=now_s, age_s=0.5), (0.1, 0.1), u, 1.0,
-                   burns=(ttft_burn, math.nan))
+                   burns=(ttft_burn, math.nan), burn_batch_shares=(ttft_batch_share, math.nan))
 
 
 def test_after_a_cut_the_wrapper_returns_fast_and_plateaus_near_the_old_level() -> None:
@@ -116,6 +119,19 @@ def test_after_a_cut_the_wrapper_returns_fast_and_plateaus_near_the_old_level() 
     assert steps[0] == pytest.approx(2_000.0)  # far below the edge: full pace
     assert steps[-1] == pytest.approx(500.0)  # at 24k and up: a quarter
     assert law.state()["edge_tokens_per_s"] == pytest.approx(30_000.0)
+
+
+@pytest.mark.parametrize(("unknown_share", "edge_set"), [(0.0, False), (1.0, True)],
+                         ids=["stands-aside", "counted"])
+def test_on_engines_that_export_no_share_a_cut_sets_the_edge_only_if_told(
+    unknown_share: float, edge_set: bool
+) -> None:
+    """Bare engines (no interference series) cannot tell a burst's burn from batch's: by
+    default a cut there sets no edge."""
+    law = EdgeMemory(Climber(), replace(CONFIG, unknown_share=unknown_share))
+    law.applied(tick(30_000.0, 0.0), 30_000.0)
+    law.applied(tick(30_000.0, 1.0, ttft_burn=2.0, ttft_batch_share=math.nan), 10_000.0)
+    assert math.isfinite(law.edge.tokens_per_s) is edge_set
 
 
 def test_disabled_the_wrapper_passes_proposals_through() -> None:
@@ -144,7 +160,7 @@ def test_admission_only_leaves_a_plugin_pool_to_its_step_guard(
 
 @pytest.mark.parametrize("kwargs", [{"drop_frac": 0.0}, {"slow_frac": 1.5},
                                     {"lookback_s": 0.0}, {"memory_s": -1.0},
-                                    {"batch_share": 1.5}])
+                                    {"batch_share": 1.5}, {"unknown_share": -0.1}])
 def test_bad_settings_are_refused_by_name(kwargs: dict[str, float]) -> None:
     with pytest.raises(ConfigError, match="edge." + next(iter(kwargs))):
         EdgeConfig(**kwargs)
