@@ -13,9 +13,10 @@ plateaus near W_max and probes beyond it slowly. As a wrapper around any law:
                burn is read); at most one per lookback_s. A fall with nothing burning (the
                ramp handing over to a law that asks less, a cap) or on a burn that batch did
                not cause (an interactive burst) says nothing about where the edge is. Where
-               the engines export no interference series the share counts as unknown_share
-               (default 0: the memory stands aside, since on such pools a burst's burn and
-               batch's look alike; with it counted the matrix lost rows at the bar)
+               the engines give no share (no interference series; or 0/0, as for first
+               tokens in a window with no interactive queue wait) it counts as unknown_share
+               (default 0: the memory stands aside, since there a burst's burn and batch's
+               look alike; with it counted the matrix lost rows at the bar on bare engines)
     edge       the highest applied budget of the last lookback_s at the drop: where it burned
     growth     while u_applied >= near_frac x edge, a proposal above u_applied is scaled to
                u_applied + slow_frac x (u - u_applied); decreases pass whole
@@ -30,9 +31,10 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 from borrowd.controller.laws.base import Law, LawTick, Proposal
+from borrowd.models.config_loader import check
 from borrowd.models.enforcement import ADMISSION
 from borrowd.models.errors import ConfigError
 
@@ -79,7 +81,8 @@ class EdgeConfig:
     unknown_share: float = field(
         default=0.0,
         metadata={"unit": "1", "help": "the batch share a burn counts as where the engines "
-                                       "export none (0: the memory stands aside there)",
+                                       "give none (no interference series, or 0/0; 0: the "
+                                       "memory stands aside there)",
                   "min": 0.0, "max": 1.0},
     )
     memory_s: float = field(
@@ -95,9 +98,8 @@ class EdgeConfig:
         for name in ("drop_frac", "near_frac", "slow_frac"):
             if not 0 < getattr(self, name) <= 1:
                 raise ConfigError(f"edge.{name} must be in (0, 1], got {getattr(self, name)!r}")
-        for name in ("batch_share", "unknown_share"):
-            if not 0 <= getattr(self, name) <= 1:
-                raise ConfigError(f"edge.{name} must be in [0, 1], got {getattr(self, name)!r}")
+        for f in fields(self):  # the bounds in each field's metadata
+            check(getattr(self, f.name), f.metadata, f"edge.{f.name}")
         for name in ("lookback_s", "memory_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"edge.{name} must be > 0, got {getattr(self, name)!r}")
@@ -128,7 +130,7 @@ def shaped_increase(u_proposed: float, u_applied: float, edge: Edge, now_s: floa
 def batch_burning(tick: LawTick, batch_share: float, unknown_share: float = 0.0) -> bool:
     """True when batch makes some output spend its SLO faster than its rate: a burn >= 1
     (where measured, else a p95 at or past the SLO) of which batch caused at least
-    `batch_share` (a share the engines do not export counts as `unknown_share`)."""
+    `batch_share` (a share the engines do not give, NaN, counts as `unknown_share`)."""
     return any(
         (b >= 1.0 if math.isfinite(b) else y >= 1.0)
         and (share if math.isfinite(share) else unknown_share) >= batch_share
