@@ -24,11 +24,21 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A TCP port on 127.0.0.1 that was free a moment ago and that this process has not
+    handed out before: the probe socket is closed before the caller binds, so two calls in a
+    row (`free_port(), free_port()`) could get the same port, and a server failing to bind
+    it would pass a readiness check answered by the other one."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def port_open(port: int, host: str = "127.0.0.1") -> bool:
