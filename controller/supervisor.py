@@ -23,7 +23,9 @@
              engine enforcement with `ramp_doubling_engine_s` set, the plugin's step guard
              holds ITL step by step, so the ramp doubles that often whatever the windows,
              holds at what batch uses (RFC 7661) and ends on the law's feedback alone
-             (`RampInputs`)
+             (`RampInputs`); `ramp_hold_at_use` makes any pool's ramp hold there (off:
+             under admission it ran past where the law handed over and overshot, README
+             "Robustness matrix")
     closed   budget 0: entered at once when an SLO burns, KV usage passes its limit or the
              oldest interactive wait passes its limit (a multiple of the TTFT SLO); left only
              after every signal has stayed under its (lower) reopen threshold for `quiet_s`,
@@ -175,6 +177,14 @@ class SupervisorConfig:
                           "whatever the burn windows, holds at what batch uses instead of "
                           "ending there, and ends on the law's feedback, not its forecast "
                           "(0: ramps as an admission pool does)"},
+    )
+    ramp_hold_at_use: bool = field(
+        default=False,
+        metadata={"unit": "bool",
+                  "help": "a ramp that reaches what batch uses holds there and doubles on once "
+                          "batch uses more, instead of handing over to the law (RFC 7661: an "
+                          "application-limited sender stays in slow start); a guarded engine "
+                          "pool's ramp always holds"},
     )
     ramp_slew_tokens_per_s2: float = field(
         default=500.0,
@@ -514,7 +524,7 @@ def _next(
         u_feedback = u_law - ramp_in.forecast_tokens_per_s if guarded else u_law
         return _ramp(config, state, u_law, dt_s, ceiling,
                      ramp_doubling_s(config, obs, slo, burns, guarded=guarded), u_feedback,
-                     hold_at_ceiling=guarded)
+                     hold_at_ceiling=guarded or config.ramp_hold_at_use)
     return replace(state, quiet_since_s=math.nan, revoke=False), max(0.0, u_law)
 
 

@@ -383,3 +383,22 @@ def test_a_guarded_ramp_holds_where_batch_stops_using_its_budget() -> None:
     assert "held at what batch uses" in held.reason
     on = supervise(ENGINE_RAMP, held.state, obs(), SLO, 1e6, 1.0, 1.0, ceiling=1e6, ramp=GUARDED)
     assert on.mode == Mode.RAMP and on.u > 2500.0
+
+
+def test_an_admission_ramp_holds_at_what_batch_uses_only_when_told() -> None:
+    """An admission pool's ramp that reaches the validated ceiling hands over to the law,
+    unless `ramp_hold_at_use`: then it holds there in ramp, as a guarded ramp does, and
+    doubles on once batch uses more."""
+    config = replace(CFG, ramp_cap_tokens_per_s=1e9, ramp_hold_at_use=False)
+    state = SupervisorState(mode=Mode.RAMP, ramp_tokens_per_s=2000.0)
+    handed = supervise(config, state, obs(), SLO, 1e6, 1.0, 0.0, ceiling=2500.0)
+    assert handed.mode == Mode.OPEN and handed.u == 2500.0
+    assert "reached what batch uses" in handed.reason
+    holding = replace(config, ramp_hold_at_use=True)
+    held = supervise(holding, state, obs(), SLO, 1e6, 1.0, 0.0, ceiling=2500.0)
+    assert held.mode == Mode.RAMP and held.u == 2500.0
+    assert "held at what batch uses" in held.reason
+    on = supervise(holding, held.state, obs(), SLO, 1e6, 1.0, 1.0, ceiling=1e6)
+    assert on.mode == Mode.RAMP and on.u > 2500.0
+    ended = supervise(holding, held.state, obs(), SLO, 2400.0, 1.0, 2.0, ceiling=1e6)
+    assert ended.mode == Mode.OPEN and "law below the ramp" in ended.reason
