@@ -27,7 +27,9 @@
              under admission it ran past where the law handed over and overshot, README
              "Robustness matrix")
     closed   budget 0: entered at once when an SLO burns, KV usage passes its limit or the
-             oldest interactive wait passes its limit (a multiple of the TTFT SLO); left only
+             oldest interactive wait passes its limit (a multiple of the TTFT SLO) where
+             that waiter would tip the TTFT burn past its cut, or passes `revoke_factor`
+             times it (one straggler among many on-time first tokens is one sample); left only
              after every signal has stayed under its (lower) reopen threshold for `quiet_s`,
              into open after a cut, into ramp on a cold start
     stopped  budget 0 while the operator's stop switch is set; left into closed
@@ -55,7 +57,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from borrowd.controller.burn import NEAR_SLO_NORM, BurnReading
+from borrowd.controller.burn import ALLOWED_SHARE, NEAR_SLO_NORM, BurnReading
 from borrowd.models.budget import Mode
 from borrowd.models.errors import ConfigError
 from borrowd.models.signals import Observation, Slo
@@ -339,7 +341,7 @@ def burning(
         return f"cut: KV usage {obs.kv_usage_frac:.3g} >= {config.cut_kv_frac:.3g}", True
     wait_limit = config.cut_oldest_wait_ttft_slo * slo.ttft_p95_s
     wait_by_batch = _caused(obs.interactive_wait_batch_frac, config)
-    if obs.interactive_oldest_wait_s >= wait_limit:
+    if _wait_cuts(obs, wait_limit, config, burns[0]):
         revoke = obs.interactive_oldest_wait_s >= severe * wait_limit and wait_by_batch
         return f"cut: oldest wait {obs.interactive_oldest_wait_s:.3g}s >= {wait_limit:.3g}s", revoke
     for name, reading in zip(("TTFT", "ITL"), burns, strict=True):
@@ -354,6 +356,23 @@ def burning(
     if obs.success_rate < slo.success_rate:
         return f"cut: success rate {obs.success_rate:.4f} < {slo.success_rate:.4f}", wait_by_batch
     return "", False
+
+
+def _wait_cuts(
+    obs: Observation, limit_s: float, config: SupervisorConfig, ttft: BurnReading | None
+) -> bool:
+    """True when the oldest interactive wait cuts: it is past `limit_s` and either severe
+    (`revoke_factor` x the limit), or the TTFT burn, counting that waiter as one more first
+    token above the SLO, reaches its cut (it does where few first tokens were read: a stall,
+    sparse traffic; no burn read: the wait alone decides). One straggler among many first
+    tokens on time (a long prompt in its own prefill) is one sample, not a queue."""
+    wait_s = obs.interactive_oldest_wait_s
+    if not wait_s >= limit_s:
+        return False
+    if ttft is None or wait_s >= config.revoke_factor * limit_s:
+        return True
+    over = ttft.burn * ALLOWED_SHARE * ttft.samples
+    return (over + 1.0) / (ttft.samples + 1.0) / ALLOWED_SHARE >= config.cut_ttft_burn
 
 
 def _caused(share: float, config: SupervisorConfig) -> bool:
@@ -540,7 +559,8 @@ def _soft(obs: Observation, slo: Slo, config: SupervisorConfig, burns: Burns) ->
     cuts = (config.cut_ttft_burn, config.cut_itl_burn)
     return (
         obs.kv_usage_frac < config.cut_kv_frac
-        and obs.interactive_oldest_wait_s < config.cut_oldest_wait_ttft_slo * slo.ttft_p95_s
+        and not _wait_cuts(obs, config.cut_oldest_wait_ttft_slo * slo.ttft_p95_s, config,
+                           burns[0])
         and not obs.success_rate < slo.success_rate
         and all(r is not None for r in burns)
         and all(r.lower < config.revoke_factor * cut and r.slow_burn < 1.0
