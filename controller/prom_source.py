@@ -141,6 +141,7 @@ def pool_queries(pool: str, window: str) -> tuple[PromQuery, ...]:
 PROXY_TTFT = "borrowd_proxy_ttft_seconds"
 PROXY_ITL = "borrowd_proxy_itl_seconds"
 ENGINE_ITL = "borrowd_engine_interactive_itl_seconds"
+LATE_WAITERS = "borrowd_proxy_late_waiters"
 # The parts of a `BoundQuery` answer, told apart by the `part` label.
 COUNT = "count"  # samples per second
 AT_BOUND = "at_bound"  # samples per second at or below the bound
@@ -177,10 +178,11 @@ def le_spellings(bound_s: float) -> tuple[str, ...]:
     return (text,) if short == text else (text, short)
 
 
-def le_matcher(bound_s: float) -> str:
-    """A PromQL label matcher selecting the bucket at `bound_s`, either spelling."""
+def le_matcher(bound_s: float, label: str = "le") -> str:
+    """A PromQL label matcher selecting the bucket at `bound_s` (or the series whose `label`
+    names it, spelt as `le` is), either spelling."""
     regex = "|".join(re.escape(text) for text in le_spellings(bound_s))
-    return 'le=~"' + regex.replace("\\", "\\\\") + '"'
+    return label + '=~"' + regex.replace("\\", "\\\\") + '"'
 
 
 def _parts(parts: Sequence[tuple[str, str]]) -> str:
@@ -232,6 +234,15 @@ def bound_queries(pool: str, window: str, slo: Slo) -> tuple[BoundQuery, ...]:
         BoundQuery("itl_over_slo_batch_frac", None, ENGINE_ITL, slo.itl_p95_s,
                    batch_share_expr(pool, window, slo.itl_p95_s), batch=True),
     )
+
+
+def late_waiters_query(pool: str, slo_ttft_s: float) -> str:
+    """The interactive requests of `pool` waiting longer than its TTFT SLO for a first token,
+    summed over the proxies (their `borrowd_proxy_late_waiters` at `slo` = the SLO), read
+    raw at the tick as the burn is."""
+    check_pool_name(pool)
+    selector = f'pool="{pool}",class="interactive",{le_matcher(slo_ttft_s, "slo")}'
+    return f"sum by (pool) ({LATE_WAITERS}{{{selector}}})"
 
 
 def window_seconds(window: str) -> float:
@@ -607,6 +618,14 @@ class PrometheusSource:
                 self._report(pool, query.field, exc)
                 if exc.kind == TRANSPORT:
                     return False
+        late = "interactive_late_waiters"
+        try:
+            values[late] = check_possible(late, parse_instant(self._query(
+                late_waiters_query(pool, self.slo(pool).ttft_p95_s))))
+        except _QueryFailed as exc:
+            self._report(pool, late, exc)
+            if exc.kind == TRANSPORT:
+                return False
         return True
 
     def _query(self, expr: str) -> list[dict]:

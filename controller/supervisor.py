@@ -28,8 +28,9 @@
              "Robustness matrix")
     closed   budget 0: entered at once when an SLO burns, KV usage passes its limit or the
              oldest interactive wait passes its limit (a multiple of the TTFT SLO) where
-             that waiter would tip the TTFT burn past its cut, or passes `revoke_factor`
-             times it (one straggler among many on-time first tokens is one sample); left only
+             the requests waiting past the TTFT SLO, counted as late first tokens, tip the
+             TTFT burn past its cut, or passes `revoke_factor` times it (one straggler among
+             many on-time first tokens is one sample); left only
              after every signal has stayed under its (lower) reopen threshold for `quiet_s`,
              into open after a cut, into ramp on a cold start
     stopped  budget 0 while the operator's stop switch is set; left into closed
@@ -362,17 +363,21 @@ def _wait_cuts(
     obs: Observation, limit_s: float, config: SupervisorConfig, ttft: BurnReading | None
 ) -> bool:
     """True when the oldest interactive wait cuts: it is past `limit_s` and either severe
-    (`revoke_factor` x the limit), or the TTFT burn, counting that waiter as one more first
-    token above the SLO, reaches its cut (it does where few first tokens were read: a stall,
-    sparse traffic; no burn read: the wait alone decides). One straggler among many first
-    tokens on time (a long prompt in its own prefill) is one sample, not a queue."""
+    (`revoke_factor` x the limit), or the TTFT burn, counting every request still waiting
+    past the TTFT SLO (`interactive_late_waiters`, at least the oldest) as one more first
+    token above it, reaches its cut: a stall or a queue does, and so does one waiter where
+    few first tokens were read. Where no burn is read or the late waiters are not exported,
+    the wait alone decides. One straggler among many first tokens on time (a long prompt in
+    its own prefill) is one sample, not a queue."""
     wait_s = obs.interactive_oldest_wait_s
     if not wait_s >= limit_s:
         return False
-    if ttft is None or wait_s >= config.revoke_factor * limit_s:
+    late = obs.interactive_late_waiters
+    if ttft is None or math.isnan(late) or wait_s >= config.revoke_factor * limit_s:
         return True
-    over = ttft.burn * ALLOWED_SHARE * ttft.samples
-    return (over + 1.0) / (ttft.samples + 1.0) / ALLOWED_SHARE >= config.cut_ttft_burn
+    over = ttft.burn * ALLOWED_SHARE * ttft.samples + max(1.0, late)
+    samples = ttft.samples + max(1.0, late)
+    return over / samples / ALLOWED_SHARE >= config.cut_ttft_burn
 
 
 def _caused(share: float, config: SupervisorConfig) -> bool:

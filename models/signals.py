@@ -53,6 +53,9 @@ class Observation:
     `interactive_wait_batch_frac` the share of interactive queue wait spent in steps carrying
     batch tokens (NaN: nothing to attribute, or not measured). `kv_capacity_tokens` is the KV
     cache of the pool's engines that are up, in tokens (batch KV caps are fractions of it).
+    `interactive_late_waiters` counts the interactive requests that have waited longer than
+    the TTFT SLO and still have no first token: first tokens certain to be late, which no
+    TTFT sample counts yet (NaN: not exported).
     """
 
     now_s: float
@@ -76,6 +79,7 @@ class Observation:
     itl_over_slo_batch_frac: float = NAN
     interactive_wait_batch_frac: float = NAN
     kv_capacity_tokens: float = NAN
+    interactive_late_waiters: float = NAN
 
     def missing(self) -> list[str]:
         """Names of the fields that are NaN (not measured)."""

@@ -7,11 +7,15 @@ vLLM's bucket boundaries plus a bound at each of the pool's SLOs (`proxy.slo_ttf
 batch (`batch_eligible`: "true" on every upstream unless `batch_upstreams` restricts batch),
 so the daemon's rules read the interactive latency of the replicas batch can touch.
 `InflightTracker` keeps the requests still waiting for a first token, so
-`borrowd_proxy_oldest_wait_seconds` is computed at scrape time.
+`borrowd_proxy_oldest_wait_seconds` and `borrowd_proxy_late_waiters` (how many have waited
+past each bound of the TTFT histogram, SLOs included, label `slo` spelt as its `le`: first
+tokens already certain to be late, which the histogram cannot count until they come) are
+computed at scrape time.
 """
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Callable, Iterator, Sequence
 
@@ -25,6 +29,7 @@ from borrowd.adapters.proxy.config import RequestClass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 OUTCOMES = ("success", "error", "rejected", "revoked", "truncated", "client_disconnect",
             "timeout")
@@ -54,24 +59,42 @@ class InflightTracker:
             return max(0.0, now_s - started_s)
         return 0.0
 
+    def waits_s(self, request_class: str, now_s: float) -> list[float]:
+        """How long each waiter of the class has waited, ascending."""
+        return sorted(now_s - started_s for started_s in self._waiting[request_class].values())
+
 
 class _OldestWaitCollector(Collector):
-    def __init__(self, pool: str, tracker: InflightTracker, clock: Callable[[], float]) -> None:
+    def __init__(self, pool: str, tracker: InflightTracker, clock: Callable[[], float],
+                 bounds_s: Sequence[float]) -> None:
         self._pool = pool
         self._tracker = tracker
         self._clock = clock
+        self._bounds_s = tuple(bounds_s)
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        """Yield the oldest-wait gauge per class, computed at scrape time."""
-        family = GaugeMetricFamily(
+        """Yield the oldest-wait gauge per class and the late waiters per class and TTFT
+        SLO bound, computed at scrape time."""
+        oldest = GaugeMetricFamily(
             "borrowd_proxy_oldest_wait_seconds",
             "Age of the oldest in-flight request still waiting for its first token (0 if none).",
             labels=["pool", "class"],
         )
+        late = GaugeMetricFamily(
+            "borrowd_proxy_late_waiters",
+            "In-flight requests that have waited longer than `slo` seconds (each TTFT "
+            "histogram bound) for their first token.",
+            labels=["pool", "class", "slo"],
+        )
         now_s = self._clock()
         for klass in CLASSES:
-            family.add_metric([self._pool, klass], self._tracker.oldest_wait_s(klass, now_s))
-        yield family
+            oldest.add_metric([self._pool, klass], self._tracker.oldest_wait_s(klass, now_s))
+            waits = self._tracker.waits_s(klass, now_s)
+            for bound_s in self._bounds_s:
+                late.add_metric([self._pool, klass, floatToGoString(bound_s)],
+                                len(waits) - bisect.bisect_right(waits, bound_s))
+        yield oldest
+        yield late
 
 
 class ProxyMetrics:
@@ -89,10 +112,11 @@ class ProxyMetrics:
     ) -> None:
         self.registry = registry
         self.tracker = InflightTracker()
+        ttft_bounds_s = with_slo_bounds(TTFT_BUCKETS_S, slo_ttft_s)
         ttft = Histogram("borrowd_proxy_ttft_seconds",
                          "Time from request arrival at the proxy to the first token.",
                          ["pool", "class", "batch_eligible"], registry=registry,
-                         buckets=with_slo_bounds(TTFT_BUCKETS_S, slo_ttft_s))
+                         buckets=ttft_bounds_s)
         itl = Histogram("borrowd_proxy_itl_seconds",
                         "Gap between consecutive streamed token chunks.",
                         ["pool", "class", "batch_eligible"], registry=registry,
@@ -109,7 +133,7 @@ class ProxyMetrics:
                               registry=registry)
         inflight = Gauge("borrowd_proxy_inflight", "Requests in flight.", ["pool", "class"],
                          registry=registry)
-        registry.register(_OldestWaitCollector(pool, self.tracker, clock))
+        registry.register(_OldestWaitCollector(pool, self.tracker, clock, ttft_bounds_s))
 
         # keyed by (class, whether the serving upstream may take batch)
         self.ttft = {(c, e): ttft.labels(pool, c, _flag(e)) for c in CLASSES

@@ -18,6 +18,7 @@ had computed counted as recomputed work), then batch is admitted within it.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 import time
@@ -43,8 +44,22 @@ from borrowd.models.sim.store import SimElection, SimStore
 from borrowd.models.sim.trace import Lengths, Trace
 from borrowd.models.sim.workload import BatchJob, BatchSource, interactive_arrivals
 
-_TICK, _WAKE, _HOUSE, _FAIL, _RECOVER, _BATCH_ARRIVAL, _JOB_ARRIVAL = range(7)
+_TICK, _WAKE, _HOUSE, _FAIL, _RECOVER, _BATCH_ARRIVAL, _JOB_ARRIVAL, _SCRAPE = range(8)
 INF = math.inf
+
+
+@dataclass(frozen=True)
+class Gauges:
+    """The gauges of one moment that the daemon reads through recording rules: the highest
+    KV usage, interactive requests queued, the oldest interactive wait for a first token, the
+    interactive requests waiting past the TTFT SLO and batch requests in flight. The
+    defaults are an idle pool's (before the run)."""
+
+    kv_usage_frac: float = 0.0
+    interactive_queue_depth: float = 0.0
+    interactive_oldest_wait_s: float = 0.0
+    interactive_late_waiters: float = 0.0
+    batch_running_seqs: float = 0.0
 
 
 @dataclass
@@ -250,6 +265,9 @@ class Simulation:
         self.batch_admissions = 0
         self.budget_timeline: list[dict[str, object]] = []
         self.batch_gpu_s = 0.0  # step time x the batch share of the step's tokens
+        # Gauges as each scrape read them (scrape times ascending), for `observe`.
+        self._scrape_t: list[float] = []
+        self._scraped: list[Gauges] = []
 
     # -- events ----------------------------------------------------------------------------
 
@@ -494,9 +512,11 @@ class Simulation:
         """Signals over the last `observe_window_s` seconds (the policy's window when it names
         one: the daemon config's rules window, as the daemon reads) as Prometheus would serve
         them at `now_s` (`signal_ends`): the recorded series over the samples scraped by the
-        last rule evaluation, aged since it; the burn shares over those scraped by now. Gauges
-        of the moment (KV usage, queue, oldest wait, batch in flight) are read at `now_s`. The
-        batch shares of the burns are NaN where the engines export no interference series
+        last rule evaluation, aged since it; the burn shares over those scraped by now. The
+        gauges (KV usage, queue, oldest wait, batch in flight: `Gauges`) are those of the
+        scrape the recording rules last read, as the daemon reads them through the rules too;
+        the late waiters, which it reads raw as the burn, those of the last scrape. The batch
+        shares of the burns are NaN where the engines export no interference series
         (`Scenario.interference_series` false)."""
         if pool != self.scenario.pool:
             return Observation(now_s=now_s, age_s=math.inf)
@@ -513,8 +533,8 @@ class Simulation:
                         else rec.interactive_figures(t0, rules_end_s)["success_rate"])
         lo, hi = max(0, int(t0)), max(0, int(rules_end_s))
         span = max(1, hi - lo)
+        gauges = self._gauges_read(now_s, rules_end_s)
         engines = [e for e, up in zip(self.fleet.engines, self.fleet.up, strict=True) if up]
-        oldest = max((now_s - r.submitted_s for r in self._waiting_first.values()), default=0.0)
         a, b = rec.window_slice(rec.ttft_t, t0, rules_end_s)  # requests fleet-wide, as success
         itl_over, ttft_over = lat.slo_burn(burn_end_s - w, burn_end_s, self.scenario.slo)
         itl_n, ttft_n, itl_batch = lat.slo_samples(burn_end_s - w, burn_end_s,
@@ -528,14 +548,15 @@ class Simulation:
             ttft_p95_s=fig["ttft_p95_s"],
             itl_p95_s=fig["itl_p95_s"],
             success_rate=success_rate,
-            kv_usage_frac=max((e.kv_usage_frac() for e in engines), default=0.0),
-            interactive_queue_depth=float(sum(e.num_waiting(INTERACTIVE) for e in engines)),
-            interactive_oldest_wait_s=max(0.0, oldest),
+            kv_usage_frac=gauges.kv_usage_frac,
+            interactive_queue_depth=gauges.interactive_queue_depth,
+            interactive_oldest_wait_s=gauges.interactive_oldest_wait_s,
+            interactive_late_waiters=self._gauges_read(
+                now_s, burn_end_s).interactive_late_waiters,
             preemptions_per_s=sum(rec.preemptions_per_s[lo:hi]) / span,
             interactive_tokens_per_s=sum(rec.interactive_offered_per_s[lo:hi]) / span,
             batch_tokens_per_s=sum(rec.batch_tokens_per_s[lo:hi]) / span,
-            # Admitted and not finished, as the proxy's in-flight gauge counts them.
-            batch_running_seqs=float(len(self._batch_inflight)),
+            batch_running_seqs=gauges.batch_running_seqs,
             interactive_requests=float(b - a),
             itl_over_slo_frac=itl_over,
             ttft_over_slo_frac=ttft_over,
@@ -548,6 +569,29 @@ class Simulation:
             kv_capacity_tokens=float(sum(
                 e.config.num_gpu_blocks * e.config.block_size for e in engines)),
         )
+
+    def gauges(self, now_s: float) -> Gauges:
+        """The gauges at `now_s`, as a scrape then reads them (engines that are up)."""
+        engines = [e for e, up in zip(self.fleet.engines, self.fleet.up, strict=True) if up]
+        waits = [now_s - r.submitted_s for r in self._waiting_first.values()]
+        slo_s = self.scenario.slo.ttft_p95_s
+        return Gauges(
+            kv_usage_frac=max((e.kv_usage_frac() for e in engines), default=0.0),
+            interactive_queue_depth=float(sum(e.num_waiting(INTERACTIVE) for e in engines)),
+            interactive_oldest_wait_s=max([0.0, *waits]),
+            interactive_late_waiters=float(sum(1 for w in waits if w > slo_s)),
+            # Admitted and not finished, as the proxy's in-flight gauge counts them.
+            batch_running_seqs=float(len(self._batch_inflight)),
+        )
+
+    def _gauges_read(self, now_s: float, scraped_by_s: float) -> Gauges:
+        """The gauges the daemon reads at `now_s`: those of the last scrape at or before
+        `scraped_by_s` (an idle pool's before the first), or of `now_s` itself where the
+        scenario scrapes continuously (`scrape_interval_s` 0)."""
+        if self.scenario.scrape_interval_s <= 0:
+            return self.gauges(now_s)
+        i = bisect.bisect_right(self._scrape_t, scraped_by_s + 1e-9)
+        return self._scraped[i - 1] if i > 0 else Gauges()
 
     # -- interactive requests, failures, housekeeping --------------------------------------
 
@@ -638,6 +682,8 @@ class Simulation:
         if loop is not None:
             self._push(0.0, _TICK)
         self._push(1.0, _HOUSE)
+        if sc.scrape_interval_s > 0:
+            self._push(sc.scrape_interval_s / 2.0, _SCRAPE)  # the phase of `signal_ends`
         if sc.failure is not None:
             f0, f1 = sc.failure.window_s(duration)
             if f0 < duration:
@@ -726,6 +772,10 @@ class Simulation:
                 if self.jobs is not None:
                     self.jobs.sample(t, ((q, j) for q, j, _ in self._batch_inflight.values()))
                 self._push(t + 1.0, _HOUSE)
+            elif kind == _SCRAPE:
+                self._scrape_t.append(t)
+                self._scraped.append(self.gauges(t))
+                self._push(t + sc.scrape_interval_s, _SCRAPE)
             elif kind == _FAIL:
                 self._fail(arg, t)
             elif kind == _RECOVER:

@@ -115,3 +115,32 @@ def test_emulator_exports_the_itl_slo_bound() -> None:
     assert "0.0075" not in bounds(server.registry, "vllm:inter_token_latency_seconds")
     with pytest.raises(ConfigError, match="--slo-itl-s"):
         EmulatorConfig(slo_itl_s=(0.0,))
+
+
+def test_late_waiters_are_counted_at_each_ttft_slo_at_scrape_time() -> None:
+    """Per class and bound of the TTFT histogram (SLOs included), the requests waiting
+    longer than the bound for their first token, counted when Prometheus scrapes (the
+    daemon's oldest-wait cut weighs them as first tokens already late); a settled request
+    leaves the count."""
+    now = [100.0]
+    registry = CollectorRegistry()
+    metrics = ProxyMetrics("chat", registry, clock=lambda: now[0], slo_ttft_s=(2.0, 0.5))
+    for rid, started in (("a", 90.0), ("b", 98.5), ("c", 99.8)):
+        metrics.tracker.waiting("interactive", rid, started)
+    metrics.tracker.waiting("batch", "d", 90.0)
+
+    def late(klass: str, slo: str) -> float | None:
+        return registry.get_sample_value("borrowd_proxy_late_waiters",
+                                         {"pool": "chat", "class": klass, "slo": slo})
+
+    assert (late("interactive", "0.5"), late("interactive", "2.0")) == (2.0, 1.0)
+    assert late("batch", "0.5") == 1.0
+    metrics.tracker.settled("interactive", "a")
+    now[0] = 100.4
+    assert (late("interactive", "0.5"), late("interactive", "2.0")) == (2.0, 0.0)
+    assert late("interactive", "0.25") == 2.0  # every bound of the TTFT histogram
+    bare = CollectorRegistry()
+    ProxyMetrics("chat", bare, clock=lambda: 0.0)
+    slos = {s.labels["slo"] for m in bare.collect() if m.name == "borrowd_proxy_late_waiters"
+            for s in m.samples}
+    assert "1.0" in slos and "0.5" in slos  # vLLM's bounds (the default 1 s SLO) without any

@@ -31,6 +31,7 @@ from borrowd.controller.prom_source import (
     identification_history,
     identification_queries,
     identification_series,
+    late_waiters_query,
     pool_queries,
     query_range,
     window_seconds,
@@ -61,6 +62,7 @@ FIELD_VALUES = {
     "itl_over_slo_batch_frac": 0.6,
     "interactive_wait_batch_frac": 0.3,
     "kv_capacity_tokens": 48000.0,
+    "interactive_late_waiters": 3.0,
 }
 
 
@@ -150,6 +152,8 @@ def healthy_answers(pool: str = "chat", window: str = "15s", slo: Slo = DEFAULT_
     batch_above = 10.0 * FIELD_VALUES["itl_over_slo_batch_frac"]
     answers[bound_expr("itl_over_slo_batch_frac", pool, window, slo)] = histogram(
         100.0, 90.0, series=4, **{BATCH_COUNT: 50.0, BATCH_AT_BOUND: 50.0 - batch_above})
+    answers[late_waiters_query(pool, slo.ttft_p95_s)] = instant(
+        repr(FIELD_VALUES["interactive_late_waiters"]))
     return answers
 
 
@@ -192,7 +196,7 @@ def test_queries_are_evaluated_at_prometheus_time_with_the_short_timeout() -> No
     Prometheus evaluates at its own now, so staleness is measured on its clock."""
     client = FakeClient(healthy_answers(), default=age_default())
     make_source(client, []).observe("chat", 1234.5)
-    assert len(client.asked) == len(pool_queries("chat", "15s")) + 3 + 1
+    assert len(client.asked) == len(pool_queries("chat", "15s")) + 3 + 1 + 1
     assert all("time" not in params for _, params, _ in client.asked)
     assert {timeout for _, _, timeout in client.asked} == {0.25}
 
@@ -605,7 +609,8 @@ def test_burn_is_queried_at_the_pools_own_slo_for_each_window(window: str) -> No
 
 def test_each_pool_reads_its_burn_at_its_own_slo() -> None:
     """A source with per-pool SLOs asks each pool at its bounds; an unnamed pool at 1 s /
-    50 ms; three burn queries per pool, one fewer than the fields they fill."""
+    50 ms; three burn queries per pool, one fewer than the fields they fill, and the late
+    waiters at its TTFT SLO."""
     slo = Slo(ttft_p95_s=0.3, itl_p95_s=0.0075)
     answers = {**healthy_answers("chat", slo=slo), **healthy_answers("other")}
     client = FakeClient(answers, default=age_default())
@@ -621,7 +626,9 @@ def test_each_pool_reads_its_burn_at_its_own_slo() -> None:
         asked = " ".join(query for query, _, _ in client.asked)
         bounds = ('0\\\\.0075', '0\\\\.3') if pool == "chat" else ('0\\\\.05', '1\\\\.0|1')
         assert all(f'le=~"{b}"' in asked for b in bounds)
-        assert len(client.asked) == len(pool_queries(pool, "15s")) + 3 + 1
+        assert f'slo=~"{bounds[1]}"' in asked  # the late waiters at the TTFT SLO
+        assert obs.interactive_late_waiters == FIELD_VALUES["interactive_late_waiters"]
+        assert len(client.asked) == len(pool_queries(pool, "15s")) + 3 + 1 + 1
     assert source.slo("other") == Slo()
 
 

@@ -253,33 +253,38 @@ def ttft_reading(over: float, samples: float) -> BurnReading:
 
 
 @pytest.mark.parametrize(
-    ("wait_s", "ttft", "mode"),
+    ("wait_s", "late", "ttft", "mode"),
     [
-        (0.97, ttft_reading(1.0, 106.0), Mode.OPEN),
-        (0.97, ttft_reading(0.0, 5.0), Mode.CLOSED),
-        (0.97, ttft_reading(7.0, 100.0), Mode.CLOSED),
-        (1.10, ttft_reading(1.0, 106.0), Mode.CLOSED),
-        (0.97, None, Mode.CLOSED),
+        (0.97, 1.0, ttft_reading(1.0, 106.0), Mode.OPEN),
+        (0.97, 1.0, ttft_reading(0.0, 5.0), Mode.CLOSED),
+        (0.97, 1.0, ttft_reading(7.0, 100.0), Mode.CLOSED),
+        (0.97, 8.0, ttft_reading(1.0, 106.0), Mode.CLOSED),
+        (1.10, 1.0, ttft_reading(1.0, 106.0), Mode.CLOSED),
+        (0.97, math.nan, ttft_reading(1.0, 106.0), Mode.CLOSED),
+        (0.97, 1.0, None, Mode.CLOSED),
     ],
     ids=[
         "one-straggler-among-many-on-time-first-tokens-holds",
         "a-waiter-among-few-first-tokens-cuts",
         "a-waiter-that-tips-the-ttft-burn-cuts",
+        "a-queue-of-late-waiters-cuts",
         "a-severe-wait-cuts-alone",
+        "late-waiters-not-exported-the-wait-alone-cuts",
         "no-burn-read-the-wait-alone-cuts",
     ],
 )
-def test_the_oldest_wait_cuts_as_one_more_late_first_token(
-    wait_s: float, ttft: BurnReading | None, mode: Mode
+def test_the_oldest_wait_cuts_as_late_first_tokens(
+    wait_s: float, late: float, ttft: BurnReading | None, mode: Mode
 ) -> None:
-    """Past its limit (2 x a 0.27 s TTFT SLO), the oldest wait cuts where counting the waiter
-    as one more late first token takes the TTFT burn to its cut, or where it passes twice
-    the limit; one request in its own long prefill among a hundred on time does not (the
-    `code` shape's cut at 512 s)."""
+    """Past its limit (2 x a 0.27 s TTFT SLO), the oldest wait cuts where counting every
+    request waiting past the TTFT SLO as a late first token takes the TTFT burn to its cut,
+    or where it passes twice the limit; one request in its own long prefill among a hundred
+    on time does not (the `code` shape's cut at 512 s), eight late at once do (a stall)."""
     slo = Slo(ttft_p95_s=0.27, itl_p95_s=0.008)
     quiet_itl = BurnReading(0.0, 0.0, 0.0, 1500.0, 10.0, 0.0, 0.0, 1500.0)
     burns = (ttft, quiet_itl) if ttft is not None else (None, None)
-    observed = obs(interactive_oldest_wait_s=wait_s, ttft_p95_s=0.2, itl_p95_s=0.005)
+    observed = obs(interactive_oldest_wait_s=wait_s, interactive_late_waiters=late,
+                   ttft_p95_s=0.2, itl_p95_s=0.005)
     decision = supervise(CFG, OPEN, observed, slo, 8000.0, 1.0, 0.0, burns=burns)
     assert decision.mode == mode, decision.reason
     assert ("oldest wait" in decision.reason) == (mode == Mode.CLOSED)
