@@ -64,7 +64,9 @@ class InflightTracker:
         return sorted(now_s - started_s for started_s in self._waiting[request_class].values())
 
 
-class _OldestWaitCollector(Collector):
+class _WaitersCollector(Collector):
+    """The oldest wait and the late waiters of each class, computed at scrape time."""
+
     def __init__(self, pool: str, tracker: InflightTracker, clock: Callable[[], float],
                  bounds_s: Sequence[float]) -> None:
         self._pool = pool
@@ -133,7 +135,7 @@ class ProxyMetrics:
                               registry=registry)
         inflight = Gauge("borrowd_proxy_inflight", "Requests in flight.", ["pool", "class"],
                          registry=registry)
-        registry.register(_OldestWaitCollector(pool, self.tracker, clock, ttft_bounds_s))
+        registry.register(_WaitersCollector(pool, self.tracker, clock, ttft_bounds_s))
 
         # keyed by (class, whether the serving upstream may take batch)
         self.ttft = {(c, e): ttft.labels(pool, c, _flag(e)) for c in CLASSES
