@@ -92,9 +92,11 @@ class ControllerConfig:
         metadata={
             "unit": "replicas",
             "help": (
-                "the pool size u_max_tokens_per_s, caps.max_seqs and "
-                "supervisor.ramp_cap_tokens_per_s are written for: on a pool whose replicas "
-                "is set they scale by replicas / limits_replicas (0: as written at any size)"
+                "the pool size the pool-wide rates are written for (u_max_tokens_per_s, "
+                "caps.max_seqs, the supervisor's ramp cap and floor, the PI's gains and gain "
+                "reference, the MPC's rate limits, slack.grow_step_tokens_per_s): on a pool "
+                "whose replicas is set they scale by replicas / limits_replicas (0: as "
+                "written at any size)"
             ),
         },
     )

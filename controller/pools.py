@@ -25,9 +25,15 @@ def load_plant(pool: PoolConfig) -> PlantModel | None:
 
 
 def scaled_limits(controller: ControllerConfig, scale: float, kv: bool) -> ControllerConfig:
-    """`controller` with u_max, the ramp's cap and the sequence cap (at least 1) times
-    `scale`, and with `kv` the KV cap's share of the pool's capacity and its absolute
-    ceiling (at least 1) too."""
+    """`controller` with every pool-wide rate times `scale`: u_max, the ramp's cap, the
+    failsafe floor, the PI's gains without a plant and the budget they are given at, the
+    MPC's rate limits, the slack law's step, and the sequence cap (at least 1); with `kv`
+    also the KV cap's share of the pool's capacity and its absolute ceiling (at least 1). A
+    pool `scale` times as large carries `scale` times the batch at the same load a replica,
+    so a latency moves by 1/`scale` as much per token/s of budget: gains written for one
+    size act on another at the same speed only scaled. The ramp's start and slew stay as
+    written: they are a probe, the least budget whose effect a burn can show, and a halved
+    start on two replicas cost the matrix's `chat-2x-failure` its cold start (README)."""
     caps = controller.caps
     caps = dataclasses.replace(caps, max_seqs=max(1, math.ceil(caps.max_seqs * scale)))
     if kv:
@@ -38,30 +44,47 @@ def scaled_limits(controller: ControllerConfig, scale: float, kv: bool) -> Contr
                            else max(1, math.ceil(caps.max_kv_tokens * scale))),
         )
     supervisor = controller.supervisor
+    pi, mpc = controller.pi, controller.mpc
     return dataclasses.replace(
         controller,
         u_max_tokens_per_s=controller.u_max_tokens_per_s * scale,
         supervisor=dataclasses.replace(
-            supervisor, ramp_cap_tokens_per_s=supervisor.ramp_cap_tokens_per_s * scale
+            supervisor,
+            ramp_cap_tokens_per_s=supervisor.ramp_cap_tokens_per_s * scale,
+            floor_tokens_per_s=supervisor.floor_tokens_per_s * scale,
+        ),
+        pi=dataclasses.replace(
+            pi,
+            kp_tokens_per_s=pi.kp_tokens_per_s * scale,
+            ki_tokens_per_s2=pi.ki_tokens_per_s2 * scale,
+            gain_reference_tokens_per_s=pi.gain_reference_tokens_per_s * scale,
+        ),
+        mpc=dataclasses.replace(
+            mpc,
+            up_rate_tokens_per_s2=mpc.up_rate_tokens_per_s2 * scale,
+            down_rate_tokens_per_s2=mpc.down_rate_tokens_per_s2 * scale,
+        ),
+        slack=dataclasses.replace(
+            controller.slack,
+            grow_step_tokens_per_s=controller.slack.grow_step_tokens_per_s * scale,
         ),
         caps=caps,
     )
 
 
 def sized_to_fleet(controller: ControllerConfig, replicas: int) -> ControllerConfig:
-    """`controller` with the limits written for `limits_replicas` replicas scaled to a pool
-    of `replicas`: u_max, the ramp's cap and the sequence cap. The KV cap is a share of the
-    capacity measured and needs no scaling. Unchanged when either count is 0."""
+    """`controller` with the rates written for `limits_replicas` replicas scaled to a pool
+    of `replicas` (`scaled_limits`). The KV cap is a share of the capacity measured and
+    needs no scaling. Unchanged when either count is 0."""
     if replicas <= 0 or controller.limits_replicas <= 0 or replicas == controller.limits_replicas:
         return controller
     return scaled_limits(controller, replicas / controller.limits_replicas, kv=False)
 
 
 def sized_to_eligible(controller: ControllerConfig, share: float) -> ControllerConfig:
-    """`controller` with its pool-wide limits scaled to the `share` of the replicas that
-    may take batch: u_max (the law's upper limit), the ramp's cap, the sequence cap, and the
-    KV cap's share of the pool's capacity (and its absolute ceiling when set). A share of 1
-    leaves it as written."""
+    """`controller` with its pool-wide rates scaled to the `share` of the replicas that
+    may take batch (`scaled_limits`), and the KV cap's share of the pool's capacity (and
+    its absolute ceiling when set). A share of 1 leaves it as written."""
     if share >= 1.0:
         return controller
     return scaled_limits(controller, share, kv=True)

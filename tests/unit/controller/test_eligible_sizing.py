@@ -16,8 +16,8 @@ from borrowd.models.sim.scenario import SEED, get_scenario
 
 
 def test_limits_scale_with_the_eligible_share() -> None:
-    """Two of four replicas: u_max (the law's upper limit), the ramp cap and the sequence and
-    KV caps are halved; the law is built with the halved u_max."""
+    """Two of four replicas: u_max (the law's upper limit), the ramp cap, the PI's gains and
+    the sequence and KV caps are halved; the law is built with the halved u_max."""
     full = config_from_mapping({"pools": [{"name": "chat"}]}).pools[0]
     half = config_from_mapping(
         {"pools": [{"name": "chat", "replicas": 4, "batch_replicas": 2}]}
@@ -25,6 +25,7 @@ def test_limits_scale_with_the_eligible_share() -> None:
     a, b = pool_controller(full), pool_controller(half)
     assert b.u_max_tokens_per_s == a.u_max_tokens_per_s / 2
     assert b.supervisor.ramp_cap_tokens_per_s == a.supervisor.ramp_cap_tokens_per_s / 2
+    assert b.pi.ki_tokens_per_s2 == a.pi.ki_tokens_per_s2 / 2
     assert b.caps.max_seqs == a.caps.max_seqs // 2
     assert b.caps.max_kv_frac == a.caps.max_kv_frac / 2
     assert build_pool_policy(half).config.u_max_tokens_per_s == b.u_max_tokens_per_s
@@ -82,9 +83,10 @@ def test_simulated_pool_takes_the_scenario_subset() -> None:
 
 
 def test_limits_scale_with_the_pool_size() -> None:
-    """u_max, the ramp cap and the sequence cap are written for `limits_replicas` (4): a pool
-    of 8 gets twice them, one of 2 half, one of 4 or of unknown size (0) them as written; the
-    KV cap is a share of the capacity measured and stays. `limits_replicas = 0` turns it off."""
+    """The pool-wide rates (u_max, the ramp cap, the floor, the law's gains and rate limits) and
+    the sequence cap are written for `limits_replicas` (4): a pool of 8 gets twice them, one
+    of 2 half, one of 4 or of unknown size (0) them as written; the KV cap is a share of the
+    capacity measured and stays. `limits_replicas = 0` turns it off."""
     def pool(**keys: object) -> PoolConfig:
         return config_from_mapping({"pools": [{"name": "chat", **keys}]}).pools[0]
 
@@ -95,6 +97,22 @@ def test_limits_scale_with_the_pool_size() -> None:
     assert eight.supervisor.ramp_cap_tokens_per_s == 2 * written.supervisor.ramp_cap_tokens_per_s
     assert eight.caps.max_seqs == 2 * written.caps.max_seqs
     assert eight.caps.max_kv_frac == written.caps.max_kv_frac
+    # Every pool-wide rate, not only the limits: the law's gains act at twice the rate on
+    # twice the replicas. The ramp's start (a probe) stays as written.
+    assert (eight.supervisor.ramp_min_tokens_per_s, eight.supervisor.ramp_slew_tokens_per_s2
+            ) == (written.supervisor.ramp_min_tokens_per_s,
+                  written.supervisor.ramp_slew_tokens_per_s2)
+    for get in (lambda c: c.pi.kp_tokens_per_s, lambda c: c.pi.ki_tokens_per_s2,
+                lambda c: c.pi.gain_reference_tokens_per_s,
+                lambda c: c.mpc.up_rate_tokens_per_s2, lambda c: c.mpc.down_rate_tokens_per_s2,
+                lambda c: c.slack.grow_step_tokens_per_s):
+        assert get(eight) == 2 * get(written)
+    floored = pool_controller(pool(replicas=8, controller={"supervisor": {
+        "floor_tokens_per_s": 1000.0}}))
+    assert floored.supervisor.floor_tokens_per_s == 2000.0
+    # Ratios stay: the PI's per-unit-error climb relative to the budget is the same.
+    assert (eight.pi.ki_tokens_per_s2 / eight.pi.gain_reference_tokens_per_s
+            == written.pi.ki_tokens_per_s2 / written.pi.gain_reference_tokens_per_s)
     two = pool_controller(pool(replicas=2))
     assert two.u_max_tokens_per_s == written.u_max_tokens_per_s / 2
     assert two.caps.max_seqs == written.caps.max_seqs // 2
