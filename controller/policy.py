@@ -85,7 +85,8 @@ class ControllerConfig:
         default=0.99, metadata={"unit": "1", "help": "interactive success-rate objective"}
     )
     u_max_tokens_per_s: float = field(
-        default=200_000.0, metadata={"unit": "tokens/s", "help": "largest batch budget"}
+        default=200_000.0,
+        metadata={"unit": "tokens/s", "help": "largest batch budget", "per_pool": True},
     )
     limits_replicas: int = field(
         default=4,

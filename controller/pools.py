@@ -13,10 +13,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
+from typing import TypeVar
 
 from borrowd.controller.config import BorrowdConfig, PoolConfig
 from borrowd.controller.policy import ControllerConfig, ControllerPolicy, build_policy
 from borrowd.models.plant.model import PlantModel
+
+T = TypeVar("T")
 
 
 def load_plant(pool: PoolConfig) -> PlantModel | None:
@@ -24,16 +27,20 @@ def load_plant(pool: PoolConfig) -> PlantModel | None:
     return PlantModel.load(Path(pool.plant_file)) if pool.plant_file else None
 
 
+PER_POOL = "per_pool"  # field metadata: a pool-wide rate, written for `limits_replicas`
+
+
 def scaled_limits(controller: ControllerConfig, scale: float, kv: bool) -> ControllerConfig:
-    """`controller` with every pool-wide rate times `scale`: u_max, the ramp's cap, the
-    failsafe floor, the PI's gains without a plant and the budget they are given at, the
-    MPC's rate limits, the slack law's step, and the sequence cap (at least 1); with `kv`
-    also the KV cap's share of the pool's capacity and its absolute ceiling (at least 1). A
-    pool `scale` times as large carries `scale` times the batch at the same load a replica,
-    so a latency moves by 1/`scale` as much per token/s of budget: gains written for one
-    size act on another at the same speed only scaled. The ramp's start and slew stay as
-    written: they are a probe, the least budget whose effect a burn can show, and a halved
-    start on two replicas cost the matrix's `chat-2x-failure` its cold start (README)."""
+    """`controller` with every pool-wide rate times `scale` (each field whose metadata marks
+    it `per_pool`: u_max, the ramp's cap, the failsafe floor, the PI's gains without a plant
+    and the budget they are given at, the MPC's rate limits, the slack law's step) and the
+    sequence cap (at least 1); with `kv` also the KV cap's share of the pool's capacity and
+    its absolute ceiling (at least 1). A pool `scale` times as large carries `scale` times
+    the batch at the same load a replica, so a latency moves by 1/`scale` as much per
+    token/s of budget: gains written for one size act on another at the same speed only
+    scaled. The ramp's start and slew are not marked: they are a probe, the least budget
+    whose effect a burn can show, and a halved start on two replicas cost the matrix's
+    `chat-2x-failure` its cold start (README)."""
     caps = controller.caps
     caps = dataclasses.replace(caps, max_seqs=max(1, math.ceil(caps.max_seqs * scale)))
     if kv:
@@ -43,33 +50,20 @@ def scaled_limits(controller: ControllerConfig, scale: float, kv: bool) -> Contr
             max_kv_tokens=(None if caps.max_kv_tokens is None
                            else max(1, math.ceil(caps.max_kv_tokens * scale))),
         )
-    supervisor = controller.supervisor
-    pi, mpc = controller.pi, controller.mpc
-    return dataclasses.replace(
-        controller,
-        u_max_tokens_per_s=controller.u_max_tokens_per_s * scale,
-        supervisor=dataclasses.replace(
-            supervisor,
-            ramp_cap_tokens_per_s=supervisor.ramp_cap_tokens_per_s * scale,
-            floor_tokens_per_s=supervisor.floor_tokens_per_s * scale,
-        ),
-        pi=dataclasses.replace(
-            pi,
-            kp_tokens_per_s=pi.kp_tokens_per_s * scale,
-            ki_tokens_per_s2=pi.ki_tokens_per_s2 * scale,
-            gain_reference_tokens_per_s=pi.gain_reference_tokens_per_s * scale,
-        ),
-        mpc=dataclasses.replace(
-            mpc,
-            up_rate_tokens_per_s2=mpc.up_rate_tokens_per_s2 * scale,
-            down_rate_tokens_per_s2=mpc.down_rate_tokens_per_s2 * scale,
-        ),
-        slack=dataclasses.replace(
-            controller.slack,
-            grow_step_tokens_per_s=controller.slack.grow_step_tokens_per_s * scale,
-        ),
-        caps=caps,
-    )
+    return dataclasses.replace(_rates_times(controller, scale), caps=caps)
+
+
+def _rates_times(config: T, scale: float) -> T:
+    """`config` (a config dataclass) with each `per_pool` field, in it and in the config
+    dataclasses it holds, times `scale`."""
+    changes: dict[str, object] = {}
+    for item in dataclasses.fields(config):  # type: ignore[arg-type]
+        value = getattr(config, item.name)
+        if item.metadata.get(PER_POOL):
+            changes[item.name] = value * scale
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            changes[item.name] = _rates_times(value, scale)
+    return dataclasses.replace(config, **changes)  # type: ignore[type-var]
 
 
 def sized_to_fleet(controller: ControllerConfig, replicas: int) -> ControllerConfig:

@@ -194,7 +194,8 @@ class SupervisorConfig:
         metadata={"unit": "tokens/s per s", "help": "ramp rise rate added to the doubling"},
     )
     ramp_cap_tokens_per_s: float = field(
-        default=60000.0, metadata={"unit": "tokens/s", "help": "ramp ends (open) at this budget"}
+        default=60000.0, metadata={"unit": "tokens/s", "help": "ramp ends (open) at this budget",
+                                   "per_pool": True}
     )
     max_age_s: float = field(
         default=15.0,
@@ -205,7 +206,7 @@ class SupervisorConfig:
                           "interval (the shipped 5 s: 15 s)"},
     )
     floor_tokens_per_s: float = field(
-        default=0.0, metadata={"unit": "tokens/s", "help": "budget in failsafe"}
+        default=0.0, metadata={"unit": "tokens/s", "help": "budget in failsafe", "per_pool": True}
     )
     required: tuple[str, ...] = field(
         default=REQUIRED_SIGNALS,

@@ -45,10 +45,12 @@ class MpcConfig:
     horizon_s: float = field(default=30.0, metadata={"unit": "s", "help": "prediction horizon"})
     moves: int = field(default=3, metadata={"unit": "count", "help": "free input moves"})
     up_rate_tokens_per_s2: float = field(
-        default=2000.0, metadata={"unit": "tokens/s per s", "help": "fastest budget rise"}
+        default=2000.0,
+        metadata={"unit": "tokens/s per s", "help": "fastest budget rise", "per_pool": True},
     )
     down_rate_tokens_per_s2: float = field(
-        default=50000.0, metadata={"unit": "tokens/s per s", "help": "fastest budget fall"}
+        default=50000.0,
+        metadata={"unit": "tokens/s per s", "help": "fastest budget fall", "per_pool": True},
     )
     slack_penalty: float = field(
         default=1e7,

@@ -104,11 +104,13 @@ class PiConfig:
     )
     kp_tokens_per_s: float = field(
         default=20000.0,
-        metadata={"unit": "tokens/s per SLO", "help": "proportional gain when no plant is given"},
+        metadata={"unit": "tokens/s per SLO", "help": "proportional gain when no plant is given",
+                  "per_pool": True},
     )
     ki_tokens_per_s2: float = field(
         default=4000.0,
-        metadata={"unit": "tokens/s per SLO-s", "help": "integral gain when no plant is given"},
+        metadata={"unit": "tokens/s per SLO-s", "help": "integral gain when no plant is given",
+                  "per_pool": True},
     )
     decrease_boost: float = field(
         default=2.0,
@@ -120,6 +122,7 @@ class PiConfig:
             "unit": "tokens/s",
             "help": "budget the gains are given at; below it they scale with the budget "
             "(0: fixed gains)",
+            "per_pool": True,
         },
     )
     min_gain_scale: float = field(

@@ -32,7 +32,8 @@ class SlackConfig:
         default=0.9, metadata={"unit": "1", "help": "budget multiplier when shrinking"}
     )
     grow_step_tokens_per_s: float = field(
-        default=500.0, metadata={"unit": "tokens/s", "help": "budget increment per tick"}
+        default=500.0,
+        metadata={"unit": "tokens/s", "help": "budget increment per tick", "per_pool": True},
     )
 
     def __post_init__(self) -> None:
