@@ -48,6 +48,13 @@ class BurnConfig:
     z: float = field(
         default=2.0, metadata={"unit": "1", "help": "Wilson bound width (standard deviations)"}
     )
+    step_share_for_ttft: bool = field(
+        default=True,
+        metadata={"unit": "bool", "help": "where the TTFT burn's batch share is unknown (no "
+                                          "interactive queue wait to attribute) and the ITL "
+                                          "one is measured, the law reads the ITL share for "
+                                          "TTFT too (burn prediction, edge memory)"},
+    )
 
     def __post_init__(self) -> None:
         if not 0 < self.fast_s <= self.slow_s:
@@ -77,6 +84,20 @@ class BurnReading:
 
 
 IDLE = BurnReading(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+
+
+def attributed_shares(shares: tuple[float, ...], step_share_for_ttft: bool) -> tuple[float, ...]:
+    """The batch shares the law reads, (TTFT, ITL): as measured, except that with
+    `step_share_for_ttft` an unknown TTFT share is the ITL one where that is measured. The
+    engines attribute a first token's lateness by the queue wait it spent behind batch
+    prefill; a window whose interactive requests waited not at all reads 0/0 (unknown), and
+    its late first tokens were late in their own prefill steps, which batch slows as it
+    slows the decode steps the ITL share attributes. A measured ITL share means the engines
+    export the series, so bare engines (both unknown) stay as they were."""
+    ttft, itl = shares
+    if step_share_for_ttft and math.isnan(ttft) and math.isfinite(itl):
+        return (itl, itl)
+    return shares
 
 
 def wilson_bounds(over: float, n: float, z: float) -> tuple[float, float]:

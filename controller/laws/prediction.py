@@ -15,8 +15,8 @@ with s the reading's batch share (the share of its over-SLO samples that fell in
 carrying batch tokens, or of interactive wait spent behind batch prefill; NaN where the
 engines export no interference series: then `unknown_share`, and only for a budget that
 rose, so a prediction without attribution never makes the law bolder; a TTFT share that
-is unknown only because no interactive request waited in the queue takes the ITL share,
-`prediction_shares`) and u_seen the mean
+is unknown only because no interactive request waited in the queue has already taken the
+ITL share, `controller.burn.attributed_shares`) and u_seen the mean
 budget applied over the span the reading covers, [now - age - observation window - burn
 window, now - age]. A budget that rose since its
 burn was read is seen to burn more before the burn shows; one that was just cut is not cut
@@ -54,12 +54,6 @@ class PredictConfig:
         metadata={"unit": "1", "help": "the batch share assumed where the engines export no "
                                        "interference series, only ever to predict more burn "
                                        "(a budget that rose); 0: no prediction there"},
-    )
-    step_share_for_ttft: bool = field(
-        default=True,
-        metadata={"unit": "bool", "help": "where the TTFT burn's batch share is unknown (no "
-                                          "interactive queue wait to attribute) and the ITL "
-                                          "one is measured, predict TTFT with the ITL share"},
     )
 
     def __post_init__(self) -> None:
@@ -106,20 +100,6 @@ def predicted_burn(burn: float, batch_share: float, u_now_tokens_per_s: float,
     return burn * (1.0 - share) + burn * share * ratio
 
 
-def prediction_shares(shares: tuple[float, ...], step_share_for_ttft: bool) -> tuple[float, ...]:
-    """The batch shares the prediction uses, (TTFT, ITL): as read, except that with
-    `step_share_for_ttft` an unknown TTFT share is the ITL one where that is measured. The
-    engines attribute a first token's lateness by the queue wait it spent behind batch
-    prefill; a window whose interactive requests waited not at all reads 0/0 (unknown), and
-    its late first tokens were late in their own prefill steps, which batch slows as it
-    slows the decode steps the ITL share attributes. A measured ITL share means the engines
-    export the series, so bare engines (both unknown) stay as they were."""
-    ttft, itl = shares
-    if step_share_for_ttft and math.isnan(ttft) and math.isfinite(itl):
-        return (itl, itl)
-    return shares
-
-
 class BurnPredicted:
     """A `Law` that hands the wrapped law predicted burns (module docstring)."""
 
@@ -138,8 +118,8 @@ class BurnPredicted:
         rules_s = obs.window_s if math.isfinite(obs.window_s) else 0.0
         end_s = obs.now_s - max(age_s, 0.0)
         burns = []
-        shares = prediction_shares(tick.burn_batch_shares, self.config.step_share_for_ttft)
-        for burn, share, window_s in zip(tick.burns, shares, tick.burn_windows_s, strict=True):
+        for burn, share, window_s in zip(tick.burns, tick.burn_batch_shares, tick.burn_windows_s,
+                                         strict=True):
             span_s = rules_s + (window_s if math.isfinite(window_s) else 0.0)
             u_seen = mean_applied(self.history, end_s - span_s, end_s)
             burns.append(predicted_burn(burn, share, tick.u_applied_tokens_per_s, u_seen,

@@ -6,6 +6,8 @@
 The SLO burns are not filtered but counted (`controller.burn`): each tick's samples go into
 a window that lengthens while it holds too few of them, with Wilson bounds, and a slow
 window beside it; the law tracks the fast burn, the supervisor reads both (`readings`).
+The law reads each burn's batch share as `attributed_shares` gives it (a TTFT share unknown
+for want of queue wait takes the measured ITL step share), so every wrapper reads the same.
 
 A short sliding-window p95 over a few requests is noisy; the smoothing rises faster than it
 falls. A window without interactive requests holds the smoothed value; a p95 missing for any
@@ -18,7 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from borrowd.controller.burn import BurnConfig, BurnReading, BurnWindow
+from borrowd.controller.burn import BurnConfig, BurnReading, BurnWindow, attributed_shares
 from borrowd.controller.laws.base import NAN_PER_OUTPUT, Law, LawTick, Proposal
 from borrowd.models.signals import SLO_QUANTILE, Observation, Slo
 
@@ -68,8 +70,10 @@ class Smoothed:
         burns = self.burns if cfg.control_on_burn else NAN_PER_OUTPUT
         windows = tuple(r.window_s if r is not None and cfg.control_on_burn else math.nan
                         for r in self.readings)
-        shares = tuple(r.batch_share if r is not None and cfg.control_on_burn else math.nan
-                       for r in self.readings)
+        shares = attributed_shares(
+            tuple(r.batch_share if r is not None and cfg.control_on_burn else math.nan
+                  for r in self.readings),
+            cfg.burn.step_share_for_ttft)
         return self.inner.propose(replace(tick, obs=obs, ys=ys, burns=burns,
                                           burn_windows_s=windows, burn_batch_shares=shares))
 

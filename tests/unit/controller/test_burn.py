@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from borrowd.controller.burn import IDLE, BurnConfig, BurnWindow, wilson_bounds
+from borrowd.controller.burn import IDLE, BurnConfig, BurnWindow, attributed_shares, wilson_bounds
 
 
 def _feed(window: BurnWindow, ticks: int, share: float, samples: float, start_s: float = 0.0,
@@ -97,3 +97,18 @@ def test_ticks_with_nothing_over_the_slo_leave_the_share_known() -> None:
     for i in range(20):
         bare.add(float(i), 0.1 if i % 2 else 0.0, 1000.0, 5.0, 1.0, math.nan)
     assert math.isnan(bare.reading(19.0).batch_share)
+
+
+NAN = math.nan
+
+
+@pytest.mark.parametrize(("shares", "on", "expected"), [
+    ((NAN, 0.6), True, (0.6, 0.6)),  # no queue wait to attribute: the step share stands in
+    ((NAN, 0.6), False, (NAN, 0.6)),  # switched off: as read
+    ((0.2, 0.6), True, (0.2, 0.6)),  # a measured wait share is never replaced
+    ((NAN, NAN), True, (NAN, NAN)),  # bare engines (no series): nothing to stand in
+], ids=["wait-unknown", "off", "wait-measured", "bare-engines"])
+def test_an_unknown_ttft_share_takes_the_measured_step_share(
+    shares: tuple[float, float], on: bool, expected: tuple[float, float]
+) -> None:
+    assert attributed_shares(shares, on) == pytest.approx(expected, nan_ok=True)

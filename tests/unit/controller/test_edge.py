@@ -7,6 +7,7 @@ from collections import deque
 from dataclasses import replace
 
 import pytest
+from borrowd.controller.burn import BurnConfig
 from borrowd.controller.laws.base import LawTick, Proposal
 from borrowd.controller.laws.edge import (
     Edge,
@@ -16,9 +17,10 @@ from borrowd.controller.laws.edge import (
     next_edge,
     shaped_increase,
 )
+from borrowd.controller.laws.smoothing import Smoothed, SmoothingConfig
 from borrowd.models.enforcement import ADMISSION, ENGINE
 from borrowd.models.errors import ConfigError
-from borrowd.models.signals import Observation
+from borrowd.models.signals import Observation, Slo
 
 CONFIG = EdgeConfig(enabled=True, drop_frac=0.8, lookback_s=30.0, near_frac=0.8, slow_frac=0.25,
                     memory_s=300.0)
@@ -132,6 +134,36 @@ def test_on_engines_that_export_no_share_a_cut_sets_the_edge_only_if_told(
     law.applied(tick(30_000.0, 0.0), 30_000.0)
     law.applied(tick(30_000.0, 1.0, ttft_burn=2.0, ttft_batch_share=math.nan), 10_000.0)
     assert math.isfinite(law.edge.tokens_per_s) is edge_set
+
+
+@pytest.mark.parametrize(("step_share_for_ttft", "edge_set"), [(True, True), (False, False)],
+                         ids=["step-share", "off"])
+def test_a_ttft_cut_with_no_queue_wait_to_attribute_reads_the_step_share(
+    step_share_for_ttft: bool, edge_set: bool
+) -> None:
+    """Late first tokens with no interactive queue wait (the engines' wait share is 0/0)
+    while 80% of the over-SLO gaps fell in steps carrying batch: as the law reads it behind
+    the smoothing wrapper, that TTFT burn is batch's and its cut sets the edge (the prediction
+    reads the same share); told not to stand the step share in, the memory stands aside."""
+    burn = BurnConfig(fast_s=10.0, slow_s=60.0, min_samples=0.0,
+                      step_share_for_ttft=step_share_for_ttft)
+    law = Smoothed(EdgeMemory(Climber(), CONFIG),
+                   SmoothingConfig(Slo(), 30.0, 30.0, burn, control_on_burn=True))
+
+    def obs(now_s: float, ttft_over: float) -> Observation:
+        return Observation(now_s=now_s, age_s=1.0, window_s=5.0, ttft_p95_s=0.5,
+                           itl_p95_s=0.02, ttft_over_slo_frac=ttft_over, ttft_samples=100.0,
+                           itl_over_slo_frac=0.02, itl_samples=1000.0,
+                           interactive_wait_batch_frac=math.nan, itl_over_slo_batch_frac=0.8)
+
+    for now in range(5):
+        seen = law.propose(LawTick(obs(float(now), 0.0), (0.5, 0.4), 30_000.0, 1.0)).tick
+        law.applied(seen, 30_000.0)
+    seen = law.propose(LawTick(obs(5.0, 0.5), (1.5, 0.4), 30_000.0, 1.0)).tick
+    expected = 0.8 if step_share_for_ttft else math.nan
+    assert seen.burn_batch_shares[0] == pytest.approx(expected, nan_ok=True)
+    law.applied(seen, 10_000.0)  # the cut
+    assert math.isfinite(law.inner.edge.tokens_per_s) is edge_set  # type: ignore[attr-defined]
 
 
 def test_disabled_the_wrapper_passes_proposals_through() -> None:

@@ -6,13 +6,13 @@ import math
 from collections import deque
 
 import pytest
+from borrowd.controller.burn import attributed_shares
 from borrowd.controller.laws.base import LawTick, Proposal
 from borrowd.controller.laws.prediction import (
     BurnPredicted,
     PredictConfig,
     mean_applied,
     predicted_burn,
-    prediction_shares,
 )
 from borrowd.controller.policy import ControllerConfig, build_policy
 from borrowd.models.errors import ConfigError
@@ -98,7 +98,7 @@ def test_a_budget_that_doubled_since_the_reading_doubles_the_batch_burn_seen() -
     ITL burn (all batch) reads twice; the TTFT burn (share unknown, none assumed) passes as
     read, and with the default assumption for an unknown share it reads twice too."""
     inner = Recorder()
-    law = BurnPredicted(inner, PredictConfig(unknown_share=0.0, step_share_for_ttft=False))
+    law = BurnPredicted(inner, PredictConfig(unknown_share=0.0))
     for t in range(40):
         law.applied(tick(float(t), 20_000.0, (0.2, 0.2), (NAN, 1.0)), 20_000.0)
     law.applied(tick(40.0, 20_000.0, (0.2, 0.2), (NAN, 1.0)), 40_000.0)
@@ -110,31 +110,20 @@ def test_a_budget_that_doubled_since_the_reading_doubles_the_batch_burn_seen() -
     assert inner.burns == pytest.approx((1.0, 1.0))
 
 
-@pytest.mark.parametrize(("shares", "on", "expected"), [
-    ((NAN, 0.6), True, (0.6, 0.6)),  # no queue wait to attribute: the step share stands in
-    ((NAN, 0.6), False, (NAN, 0.6)),  # switched off: as read
-    ((0.2, 0.6), True, (0.2, 0.6)),  # a measured wait share is never replaced
-    ((NAN, NAN), True, (NAN, NAN)),  # bare engines (no series): nothing to stand in
-], ids=["wait-unknown", "off", "wait-measured", "bare-engines"])
-def test_an_unknown_ttft_share_takes_the_measured_step_share(
-    shares: tuple[float, float], on: bool, expected: tuple[float, float]
-) -> None:
-    assert prediction_shares(shares, on) == pytest.approx(expected, nan_ok=True)
-
-
 def test_a_cut_budget_is_not_cut_again_for_late_first_tokens_it_no_longer_causes() -> None:
     """Halved from 40k at 85 s: a TTFT burn of 1.3 read at 90 s (5 s old, over [60, 85] s:
     the 40k), with no queue wait to attribute and 60% of the slow steps carrying batch, is
-    predicted at 1.3 * (0.4 + 0.6 * 0.5); on bare engines (no share at all) it stays as
-    read, as before."""
+    predicted at 1.3 * (0.4 + 0.6 * 0.5) (the law reads the shares as `attributed_shares`
+    gives them); on bare engines (no share at all) it stays as read, as before."""
     inner = Recorder()
     law = BurnPredicted(inner, PredictConfig())
+    shares = attributed_shares((NAN, 0.6), True)
     for t in range(85):
-        law.applied(tick(float(t), 40_000.0, (0.2, 0.2), (NAN, 0.6)), 40_000.0)
-    law.applied(tick(85.0, 40_000.0, (0.2, 0.2), (NAN, 0.6)), 20_000.0)
+        law.applied(tick(float(t), 40_000.0, (0.2, 0.2), shares), 40_000.0)
+    law.applied(tick(85.0, 40_000.0, (0.2, 0.2), shares), 20_000.0)
     for t in range(86, 90):
-        law.applied(tick(float(t), 20_000.0, (0.2, 0.2), (NAN, 0.6)), 20_000.0)
-    law.propose(tick(90.0, 20_000.0, (1.3, 0.1), (NAN, 0.6)))
+        law.applied(tick(float(t), 20_000.0, (0.2, 0.2), shares), 20_000.0)
+    law.propose(tick(90.0, 20_000.0, (1.3, 0.1), shares))
     assert inner.burns[0] == pytest.approx(1.3 * (0.4 + 0.6 * 0.5))
     law.propose(tick(90.0, 20_000.0, (1.3, 0.1), (NAN, NAN)))
     assert inner.burns[0] == pytest.approx(1.3)
