@@ -174,7 +174,7 @@ class SupervisorConfig:
         metadata={"unit": "s", "help": "the ramp doubles this often (multiplicative rise)"},
     )
     ramp_doubling_engine_s: float = field(
-        default=0.0,
+        default=3.0,
         metadata={"unit": "s",
                   "help": "under controller.enforcement = engine, the ramp doubles this often "
                           "whatever the burn windows, holds at what batch uses instead of "
