@@ -60,9 +60,13 @@ def join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 
 
-def reject_unknown(data: Mapping[str, Any], known: set[str] | frozenset[str], path: str) -> None:
-    """ConfigError naming the first key of `data` that is not in `known`."""
+def reject_unknown(data: Mapping[str, Any], known: set[str] | frozenset[str], path: str,
+                   moved: Mapping[str, str] | None = None) -> None:
+    """ConfigError naming the first key of `data` that is not in `known`; a key in `moved`
+    (old name -> where it is now, relative to the table above this one) says where it went."""
     for key in data:
+        if moved and key in moved:
+            raise ConfigError(f"{join(path, key)}: this key moved to {moved[key]}")
         if key not in known:
             raise ConfigError(f"{join(path, key)}: unknown key (known: {', '.join(sorted(known))})")
 
@@ -76,7 +80,7 @@ def field_values(cls: type, data: Any, path: str,
     hints = typing.get_type_hints(cls)
     known = {item.name: item for item in dataclasses.fields(cls)
              if item.init and item.name not in skip}
-    reject_unknown(data, set(known), path)
+    reject_unknown(data, set(known), path, getattr(cls, "MOVED_KEYS", None))
     values = {}
     for name, item in known.items():
         key_path = join(path, name)
@@ -226,7 +230,7 @@ def with_settings(obj: Any, table: Mapping[str, Any], path: str) -> Any:
     """Dataclass `obj` with the values of `table` (from `parse_settings`) put in, each
     converted and checked as the loader checks a file's; ConfigError names `path.key`."""
     names = {item.name for item in dataclasses.fields(obj) if item.init}
-    reject_unknown(table, names, path)
+    reject_unknown(table, names, path, getattr(obj, "MOVED_KEYS", None))
     values: dict[str, Any] = {}
     for key, value in table.items():
         current = getattr(obj, key)

@@ -31,6 +31,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field, replace
 from itertools import pairwise
+from typing import ClassVar
 
 from borrowd.controller.laws.base import Law, LawTick, Proposal
 from borrowd.models.errors import ConfigError
@@ -39,6 +40,9 @@ from borrowd.models.errors import ConfigError
 @dataclass(frozen=True)
 class PredictConfig:
     """Whether the law tracks predicted burns, and how far a prediction may scale one."""
+
+    # Keys that lived here once: where an old config's key went (the loader says so).
+    MOVED_KEYS: ClassVar[dict[str, str]] = {"step_share_for_ttft": "burn.step_share_for_ttft"}
 
     enabled: bool = field(
         default=True,

@@ -71,6 +71,9 @@ def test_nested_controller_tables_are_loaded() -> None:
         (pool(controller={"law": "magic"}), "controller.law must be one of"),
         (pool(controller={"caps": {"max_seqs": 0}}), "caps.max_seqs must be >= 1"),
         (pool(controller={"pi": {"bogus": 1}}), "pools[0].controller.pi.bogus: unknown key"),
+        (pool(controller={"predict": {"step_share_for_ttft": True}}),
+         "pools[0].controller.predict.step_share_for_ttft: this key moved to "
+         "burn.step_share_for_ttft"),
         (pool(controller={"enforcement": "plugin"}),
          "controller.enforcement must be one of ('admission', 'engine'), got 'plugin'"),
         (pool(controller={"pi": {"setpoint_itl_burn_engine": 1.5}}),
@@ -80,7 +83,7 @@ def test_nested_controller_tables_are_loaded() -> None:
         "no-pools", "pool-without-name", "pool-name-space", "duplicate-pool", "redis-scheme",
         "unknown-key", "string-for-number", "below-min", "window-unit", "log-level",
         "listen-no-host", "section-not-table", "float-for-int", "ttl-shorter-than-two-ticks",
-        "controller-own-check", "caps-own-check", "nested-unknown-key", "enforcement",
+        "controller-own-check", "caps-own-check", "nested-unknown-key", "moved-key", "enforcement",
         "engine-setpoint",
     ],
 )

@@ -48,6 +48,8 @@ def test_with_settings_changes_only_the_keys_given() -> None:
 
 @pytest.mark.parametrize(("item", "message"), [
     ("pi.kp=1", "controller.pi.kp: unknown key"),
+    ("predict.step_share_for_ttft=true",
+     "controller.predict.step_share_for_ttft: this key moved to burn.step_share_for_ttft"),
     ("pi.kp_tokens_per_s=abc", "controller.pi.kp_tokens_per_s: must be a number"),
     ("pi.kp_tokens_per_s=-1", "pi.kp_tokens_per_s must be >= 0"),
     ("pi=3", "controller.pi: must be a table"),
