@@ -122,8 +122,11 @@ def test_shares_follow_batch_and_capacity_sums_the_engines(fleet) -> None:
     try:
         quiet = _observe_until(
             source, POOL,
-            lambda o: o.interactive_wait_batch_frac == 0.0 and math.isfinite(o.kv_capacity_tokens),
-            30.0, "interactive wait counted in clean steps, and the KV capacity")
+            # Prometheus scrapes the two engines at different moments: until both are in, the
+            # capacity is one engine's.
+            lambda o: (o.interactive_wait_batch_frac == 0.0
+                       and o.kv_capacity_tokens == sum(KV_TOKENS)),
+            30.0, "interactive wait counted in clean steps, and both engines' KV capacity")
         assert quiet.kv_capacity_tokens == sum(KV_TOKENS)
         errors.clear()  # before the first scrapes the series were absent
         quiet = source.observe(POOL, time.time())
