@@ -15,7 +15,8 @@ plateaus near W_max and probes beyond it slowly. As a wrapper around any law:
                not cause (an interactive burst) says nothing about where the edge is. Where
                the engines give no share (no interference series; or 0/0 for first tokens
                in a window with no interactive queue wait and no measured ITL share to stand
-               in: `burn.step_share_for_ttft`, as the prediction reads) it counts as unknown_share
+               in, `burn.step_share_for_ttft`, as the prediction reads it) it counts as
+               unknown_share
                (default 0: the memory stands aside, since there a burst's burn and batch's
                look alike; with it counted the matrix lost rows at the bar on bare engines)
     edge       the highest applied budget of the last lookback_s at the drop: where it burned

@@ -7,6 +7,8 @@ import math
 import pytest
 from borrowd.controller.burn import IDLE, BurnConfig, BurnWindow, attributed_shares, wilson_bounds
 
+NAN = math.nan
+
 
 def _feed(window: BurnWindow, ticks: int, share: float, samples: float, start_s: float = 0.0,
           batch: float = math.nan) -> float:
@@ -97,9 +99,6 @@ def test_ticks_with_nothing_over_the_slo_leave_the_share_known() -> None:
     for i in range(20):
         bare.add(float(i), 0.1 if i % 2 else 0.0, 1000.0, 5.0, 1.0, math.nan)
     assert math.isnan(bare.reading(19.0).batch_share)
-
-
-NAN = math.nan
 
 
 @pytest.mark.parametrize(("shares", "on", "expected"), [
