@@ -45,6 +45,7 @@ from borrowd.controller.supervisor import (
     supervise,
 )
 from borrowd.models.budget import Budget
+from borrowd.models.config_loader import meta
 from borrowd.models.enforcement import ADMISSION, ENFORCEMENTS, ENGINE
 from borrowd.models.errors import ConfigError
 from borrowd.models.plant.model import PlantModel
@@ -86,7 +87,7 @@ class ControllerConfig:
     )
     u_max_tokens_per_s: float = field(
         default=200_000.0,
-        metadata={"unit": "tokens/s", "help": "largest batch budget", "per_pool": True},
+        metadata=meta("tokens/s", "largest batch budget", per_pool=True),
     )
     limits_replicas: int = field(
         default=4,

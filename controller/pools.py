@@ -17,6 +17,7 @@ from typing import TypeVar
 
 from borrowd.controller.config import BorrowdConfig, PoolConfig
 from borrowd.controller.policy import ControllerConfig, ControllerPolicy, build_policy
+from borrowd.models.config_loader import PER_POOL
 from borrowd.models.plant.model import PlantModel
 
 T = TypeVar("T")
@@ -25,9 +26,6 @@ T = TypeVar("T")
 def load_plant(pool: PoolConfig) -> PlantModel | None:
     """The pool's identified plant, or None when `plant_file` is empty."""
     return PlantModel.load(Path(pool.plant_file)) if pool.plant_file else None
-
-
-PER_POOL = "per_pool"  # field metadata: a pool-wide rate, written for `limits_replicas`
 
 
 def scaled_limits(controller: ControllerConfig, scale: float, kv: bool) -> ControllerConfig:

@@ -60,6 +60,7 @@ from dataclasses import dataclass, field, replace
 
 from borrowd.controller.burn import ALLOWED_SHARE, NEAR_SLO_NORM, BurnReading
 from borrowd.models.budget import Mode
+from borrowd.models.config_loader import meta
 from borrowd.models.errors import ConfigError
 from borrowd.models.signals import Observation, Slo
 
@@ -194,8 +195,8 @@ class SupervisorConfig:
         metadata={"unit": "tokens/s per s", "help": "ramp rise rate added to the doubling"},
     )
     ramp_cap_tokens_per_s: float = field(
-        default=60000.0, metadata={"unit": "tokens/s", "help": "ramp ends (open) at this budget",
-                                   "per_pool": True}
+        default=60000.0,
+        metadata=meta("tokens/s", "ramp ends (open) at this budget", per_pool=True),
     )
     max_age_s: float = field(
         default=15.0,
@@ -206,7 +207,7 @@ class SupervisorConfig:
                           "interval (the shipped 5 s: 15 s)"},
     )
     floor_tokens_per_s: float = field(
-        default=0.0, metadata={"unit": "tokens/s", "help": "budget in failsafe", "per_pool": True}
+        default=0.0, metadata=meta("tokens/s", "budget in failsafe", per_pool=True)
     )
     required: tuple[str, ...] = field(
         default=REQUIRED_SIGNALS,

@@ -22,16 +22,19 @@ from typing import Any
 
 from borrowd.models.errors import BorrowdError, ConfigError
 
-# Checks a field's metadata may carry, besides `unit` and `help`.
+PER_POOL = "per_pool"  # field metadata: a pool-wide rate, scaled to the pool's replicas
+# Checks and marks a field's metadata may carry, besides `unit` and `help`.
 CHECKS = ("min", "max", "gt", "lt", "choices", "pattern", "pattern_help", "allow_empty",
-          "allow_inf", "example")
+          "allow_inf", "example", PER_POOL)
 
 
 def meta(unit: str, help: str, **checks: Any) -> dict[str, Any]:
     """Field metadata: unit, one-line help, and optional checks: `min`/`max` (inclusive),
     `gt`/`lt` (exclusive), `choices`, `pattern` (with `allow_empty`, and `pattern_help` said
     instead of the expression when a value does not match), `allow_inf` (a float
-    field that may be infinite) and `example` (shown for a field without default)."""
+    field that may be infinite), `example` (shown for a field without default) and
+    `per_pool` (a pool-wide rate that the controller scales to the pool's replicas). A
+    misspelt name is a TypeError at import, never a check silently skipped."""
     unknown = sorted(set(checks) - set(CHECKS))
     if unknown:
         raise TypeError(f"unknown field checks {unknown}")

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from borrowd.controller.laws.base import OUTPUTS, LawSettings, LawTick, Proposal
 from borrowd.controller.laws.feedforward import forecast
+from borrowd.models.config_loader import meta
 from borrowd.models.errors import ConfigError
 from borrowd.models.plant.model import SIGNAL_P95, PlantModel
 from scipy.optimize import linprog
@@ -46,11 +47,11 @@ class MpcConfig:
     moves: int = field(default=3, metadata={"unit": "count", "help": "free input moves"})
     up_rate_tokens_per_s2: float = field(
         default=2000.0,
-        metadata={"unit": "tokens/s per s", "help": "fastest budget rise", "per_pool": True},
+        metadata=meta("tokens/s per s", "fastest budget rise", per_pool=True),
     )
     down_rate_tokens_per_s2: float = field(
         default=50000.0,
-        metadata={"unit": "tokens/s per s", "help": "fastest budget fall", "per_pool": True},
+        metadata=meta("tokens/s per s", "fastest budget fall", per_pool=True),
     )
     slack_penalty: float = field(
         default=1e7,

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 
 from borrowd.controller.burn import NEAR_SLO_NORM, BurnConfig
 from borrowd.controller.laws.base import OUTPUTS, LawSettings, LawTick, Proposal, tracked_outputs
+from borrowd.models.config_loader import meta
 from borrowd.models.enforcement import ENGINE
 from borrowd.models.errors import ConfigError
 from borrowd.models.plant.fopdt import FopdtFit
@@ -104,13 +105,13 @@ class PiConfig:
     )
     kp_tokens_per_s: float = field(
         default=20000.0,
-        metadata={"unit": "tokens/s per SLO", "help": "proportional gain when no plant is given",
-                  "per_pool": True},
+        metadata=meta("tokens/s per SLO", "proportional gain when no plant is given",
+                      per_pool=True),
     )
     ki_tokens_per_s2: float = field(
         default=4000.0,
-        metadata={"unit": "tokens/s per SLO-s", "help": "integral gain when no plant is given",
-                  "per_pool": True},
+        metadata=meta("tokens/s per SLO-s", "integral gain when no plant is given",
+                      per_pool=True),
     )
     decrease_boost: float = field(
         default=2.0,
@@ -118,12 +119,8 @@ class PiConfig:
     )
     gain_reference_tokens_per_s: float = field(
         default=70000.0,
-        metadata={
-            "unit": "tokens/s",
-            "help": "budget the gains are given at; below it they scale with the budget "
-            "(0: fixed gains)",
-            "per_pool": True,
-        },
+        metadata=meta("tokens/s", "budget the gains are given at; below it they scale with "
+                      "the budget (0: fixed gains)", per_pool=True),
     )
     min_gain_scale: float = field(
         default=0.2,

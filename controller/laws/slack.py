@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass, field
 
 from borrowd.controller.laws.base import LawSettings, LawTick, Proposal, tracked_outputs
+from borrowd.models.config_loader import meta
 from borrowd.models.errors import ConfigError
 
 
@@ -33,7 +34,7 @@ class SlackConfig:
     )
     grow_step_tokens_per_s: float = field(
         default=500.0,
-        metadata={"unit": "tokens/s", "help": "budget increment per tick", "per_pool": True},
+        metadata=meta("tokens/s", "budget increment per tick", per_pool=True),
     )
 
     def __post_init__(self) -> None:

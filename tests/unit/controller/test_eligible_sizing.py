@@ -11,6 +11,7 @@ from borrowd.controller.cli import main
 from borrowd.controller.closed_loop import SimControllers, default_sim_pool
 from borrowd.controller.config import PoolConfig, config_from_mapping
 from borrowd.controller.pools import build_pool_policy, pool_controller
+from borrowd.models.config_loader import PER_POOL, meta
 from borrowd.models.errors import ConfigError
 from borrowd.models.sim.scenario import SEED, get_scenario
 
@@ -29,6 +30,58 @@ def test_limits_scale_with_the_eligible_share() -> None:
     assert b.caps.max_seqs == a.caps.max_seqs // 2
     assert b.caps.max_kv_frac == a.caps.max_kv_frac / 2
     assert build_pool_policy(half).config.u_max_tokens_per_s == b.u_max_tokens_per_s
+
+
+SCALED_RATES = (
+    "u_max_tokens_per_s",
+    "pi.kp_tokens_per_s",
+    "pi.ki_tokens_per_s2",
+    "pi.gain_reference_tokens_per_s",
+    "mpc.up_rate_tokens_per_s2",
+    "mpc.down_rate_tokens_per_s2",
+    "slack.grow_step_tokens_per_s",
+    "supervisor.ramp_cap_tokens_per_s",
+    "supervisor.floor_tokens_per_s",
+)
+
+
+def _value(config: object, dotted: str) -> float:
+    for name in dotted.split("."):
+        config = getattr(config, name)
+    assert isinstance(config, float)
+    return config
+
+
+def test_every_pool_wide_rate_is_scaled() -> None:
+    """Each pool-wide rate, in the controller and in each law's and the supervisor's
+    settings, is halved on two of four replicas (a nonzero value of each, so a field the
+    sizing skipped shows); the marks are exactly these fields."""
+    rates = {name: 1000.0 + i for i, name in enumerate(SCALED_RATES)}
+    tables: dict[str, dict[str, float]] = {}
+    for dotted, value in rates.items():
+        *table, key = dotted.split(".")
+        tables.setdefault(table[0] if table else "", {})[key] = value
+    controller: dict[str, object] = dict(tables.pop(""))
+    controller.update(tables)
+    full = config_from_mapping({"pools": [{"name": "chat", "controller": controller}]})
+    half = config_from_mapping({"pools": [{"name": "chat", "replicas": 4, "batch_replicas": 2,
+                                           "controller": controller}]})
+    a, b = pool_controller(full.pools[0]), pool_controller(half.pools[0])
+    for dotted in SCALED_RATES:
+        assert _value(b, dotted) == _value(a, dotted) / 2, dotted
+    marked = {f.name for f in dataclasses.fields(a) if f.metadata.get(PER_POOL)}
+    for item in dataclasses.fields(a):
+        value = getattr(a, item.name)
+        if dataclasses.is_dataclass(value):
+            marked |= {f"{item.name}.{f.name}" for f in dataclasses.fields(value)
+                       if f.metadata.get(PER_POOL)}
+    assert marked == set(SCALED_RATES)
+
+
+def test_a_misspelt_field_mark_is_refused() -> None:
+    """A mark `meta` does not know (a misspelt `per_pool`) fails where it is written."""
+    with pytest.raises(TypeError, match="per_pol"):
+        meta("tokens/s", "a rate", per_pol=True)
 
 
 @pytest.mark.parametrize(
