@@ -19,7 +19,9 @@
              where it is instead: a handover never publishes an open budget of nothing.
              After a cut the pool reopens straight into open at a share of the budget before
              the cut (`ramp_start_frac`, at least the ramp's least start), as TCP resumes at
-             its slow-start threshold after a loss; the law climbs on from there. Under
+             its slow-start threshold after a loss; the law climbs on from there. A cut
+             within a burn window of a back-off is the same event: it reopens where the
+             back-off put the budget, not at a share of it (one decrease per round trip). Under
              engine enforcement with `ramp_doubling_engine_s` set, the plugin's step guard
              holds ITL step by step, so the ramp doubles that often whatever the windows,
              holds at what batch uses (RFC 7661) and ends on the law's feedback alone
@@ -275,8 +277,8 @@ class ModeEvent:
 class SupervisorState:
     """Mode, since when quiet (NaN: not quiet), the ramp ceiling (in closed: where the pool
     reopens), the last reason, whether in-flight batch work is revoked, whether the pool was
-    cut (it reopens at the budget kept, open) rather than starting cold (ramp), and until
-    when the last back-off is left to act (NaN: none)."""
+    cut (it reopens at the budget kept, open) rather than starting cold (ramp), until
+    when the last back-off is left to act (NaN: none) and the budget it fell to."""
 
     mode: Mode = Mode.CLOSED
     quiet_since_s: float = math.nan
@@ -285,6 +287,7 @@ class SupervisorState:
     revoke: bool = True
     after_cut: bool = False
     backoff_until_s: float = math.nan
+    backoff_tokens_per_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -522,7 +525,13 @@ def _next(
                 until = now_s + _window_s(burns)
                 reason = "back-off: " + burn.removeprefix("cut: ")
                 return SupervisorState(Mode.OPEN, math.nan, 0.0, reason, False,
-                                       backoff_until_s=until), restart
+                                       backoff_until_s=until,
+                                       backoff_tokens_per_s=restart), restart
+        if state.mode == Mode.OPEN and now_s - state.backoff_until_s < _window_s(burns):
+            # The same congestion event as the back-off just taken (as TCP decreases once
+            # per round trip): the pool reopens where that back-off put it, not at a share
+            # of the law's budget the back-off already halved.
+            restart = max(restart, state.backoff_tokens_per_s)
         return SupervisorState(Mode.CLOSED, math.nan, restart, burn, revoke, after_cut=True), 0.0
     if state.mode == Mode.CLOSED:
         if not is_quiet(obs, slo, config, burns):

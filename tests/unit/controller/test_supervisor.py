@@ -347,6 +347,31 @@ def test_a_mild_burn_backs_off_once_per_window_and_closes_if_it_burns_on():
 
 
 @pytest.mark.parametrize(
+    ("close_at_s", "reopen_tokens_per_s"),
+    [(12.0, 4000.0), (40.0, 2050.0)],
+    ids=["same-event-keeps-the-back-off-budget", "later-event-halves-the-law"],
+)
+def test_a_close_right_after_a_back_off_decreases_once(close_at_s: float,
+                                                       reopen_tokens_per_s: float) -> None:
+    """A pool that backs off (8000 -> 4000) and still burns right after closes, and reopens
+    where the back-off put it (4000), not at half the law's already halved budget (TCP
+    decreases once per round trip). A burn well after the back-off is a new event: the
+    reopen point is half the law's budget then."""
+    mild = (reading(0.0, 0.0, 0.0), reading(burn=2.0, lower=1.5, slow=0.8))
+    cfg = replace(CFG, ramp_start_frac=0.5)
+    first = supervise(cfg, OPEN, obs(), SLO, 8000.0, 1.0, 0.0, burns=mild)
+    assert first.u == pytest.approx(4000.0) and first.mode == Mode.OPEN
+    if close_at_s > 20.0:
+        quiet = (reading(0.0, 0.0, 0.0), reading(0.0, 0.0, 0.0))
+        first = supervise(cfg, first.state, obs(), SLO, 4100.0, 1.0, close_at_s - 1.0,
+                          burns=quiet)
+    severe = (reading(0.0, 0.0, 0.0), reading(burn=4.0, lower=3.5, slow=1.0))
+    closed = supervise(cfg, first.state, obs(), SLO, 4100.0, 1.0, close_at_s, burns=severe)
+    assert closed.mode == Mode.CLOSED and closed.u == 0.0
+    assert closed.state.ramp_tokens_per_s == pytest.approx(reopen_tokens_per_s)
+
+
+@pytest.mark.parametrize(
     ("observation", "burns"),
     [(obs(), (reading(0.0, 0.0, 0.0), reading(burn=4.0, lower=3.5, slow=1.0))),
      (obs(kv_usage_frac=0.99), (reading(0.0, 0.0, 0.0), reading(burn=2.0, lower=1.5, slow=0.8))),
