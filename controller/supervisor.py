@@ -501,8 +501,12 @@ def _next(
     closed_since_now = SupervisorState(Mode.CLOSED, math.nan, 0.0, "")
     if stopped:
         return SupervisorState(Mode.STOPPED, math.nan, 0.0, "stopped by operator"), 0.0
-    # Where a ramp after a cut from open or ramp starts: a fraction of the budget before it.
+    # Where a ramp after a cut from open or ramp starts: a fraction of the budget before it;
+    # within a back-off's event, where that back-off put it (one decrease per event, as TCP
+    # per round trip), not a share of the law's budget the back-off already halved.
     restart = config.ramp_start_frac * (u_law if state.mode == Mode.OPEN else 0.0)
+    if state.mode == Mode.OPEN and _in_backoff_event(state, now_s, burns):
+        restart = max(restart, state.backoff_tokens_per_s)
     if state.mode == Mode.RAMP:
         restart = config.ramp_start_frac * state.ramp_tokens_per_s
     if state.mode == Mode.STOPPED:
@@ -521,17 +525,12 @@ def _next(
         if state.mode == Mode.OPEN and config.backoff and _soft(obs, slo, config, burns):
             if now_s < state.backoff_until_s:
                 return state, max(0.0, u_law)
-            if not now_s - state.backoff_until_s < _window_s(burns):
+            if not _in_backoff_event(state, now_s, burns):
                 until = now_s + _window_s(burns)
                 reason = "back-off: " + burn.removeprefix("cut: ")
                 return SupervisorState(Mode.OPEN, math.nan, 0.0, reason, False,
                                        backoff_until_s=until,
                                        backoff_tokens_per_s=restart), restart
-        if state.mode == Mode.OPEN and now_s - state.backoff_until_s < _window_s(burns):
-            # The same congestion event as the back-off just taken (as TCP decreases once
-            # per round trip): the pool reopens where that back-off put it, not at a share
-            # of the law's budget the back-off already halved.
-            restart = max(restart, state.backoff_tokens_per_s)
         return SupervisorState(Mode.CLOSED, math.nan, restart, burn, revoke, after_cut=True), 0.0
     if state.mode == Mode.CLOSED:
         if not is_quiet(obs, slo, config, burns):
@@ -566,6 +565,13 @@ def _next(
 def _window_s(burns: Burns) -> float:
     """The longest fast burn window read (how long a back-off takes to show)."""
     return max((r.window_s for r in burns if r is not None), default=0.0)
+
+
+def _in_backoff_event(state: SupervisorState, now_s: float, burns: Burns) -> bool:
+    """True from the last back-off until one burn window after its hold ended: a burn then
+    is the same congestion event (no second back-off; a cut reopens at the back-off's
+    budget). False when there was none."""
+    return now_s - state.backoff_until_s < _window_s(burns)
 
 
 def _soft(obs: Observation, slo: Slo, config: SupervisorConfig, burns: Burns) -> bool:
