@@ -29,6 +29,14 @@ ALLOWED_SHARE = 1.0 - SLO_QUANTILE
 # A p95 at or above this share of its SLO is near it: there a late (sparse) burn paces
 # the cold start (`supervisor.ramp_doubling_s`) and slows the PI (`pi.delay_scale`).
 NEAR_SLO_NORM = 0.5
+KNOWN_SAMPLES = 5.0  # a p95 read from fewer samples says nothing of the room under its SLO
+
+
+def known_far(slow_samples: float, p95_norm: float) -> bool:
+    """True when a p95 (over its SLO) read from at least `KNOWN_SAMPLES` samples of the slow
+    window is under `NEAR_SLO_NORM`: room the budget may run into before its late signals
+    show it (the cold start's doubling, use validation's reading of a late carried rate)."""
+    return slow_samples >= KNOWN_SAMPLES and p95_norm < NEAR_SLO_NORM
 
 
 @dataclass(frozen=True)

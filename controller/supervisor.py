@@ -60,7 +60,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from borrowd.controller.burn import ALLOWED_SHARE, NEAR_SLO_NORM, BurnReading
+from borrowd.controller.burn import ALLOWED_SHARE, BurnReading, known_far
 from borrowd.models.budget import Mode
 from borrowd.models.config_loader import meta
 from borrowd.models.errors import ConfigError
@@ -303,7 +303,6 @@ class SupervisorDecision:
 
 
 Burns = tuple[BurnReading | None, BurnReading | None]  # (TTFT, ITL); None: not read
-RAMP_KNOWN_SAMPLES = 5.0  # a p95 read from fewer samples says nothing about the ramp's room
 NO_BURNS: Burns = (None, None)
 
 
@@ -610,10 +609,7 @@ def ramp_doubling_s(config: SupervisorConfig, obs: Observation, slo: Slo, burns:
     for reading, norm in zip(burns, (obs.ttft_norm(slo), obs.itl_norm(slo)), strict=True):
         if reading is None:
             continue
-        # Far: a p95 under half the SLO, read from at least a handful of samples (under 5,
-        # nothing is known yet).
-        known_far = reading.slow_samples >= RAMP_KNOWN_SAMPLES and norm < NEAR_SLO_NORM
-        if not known_far:
+        if not known_far(reading.slow_samples, norm):
             doubling = max(doubling, reading.window_s)
     return doubling
 

@@ -39,7 +39,8 @@ class LawTick:
     wrapper can tell batch that is held by its caps from batch that has no more work;
     `burn_windows_s` how long a window each burn took to hold its least sample count (NaN:
     not read), i.e. how late that signal is; `burn_batch_shares` the share of each burn's
-    over-SLO samples that batch caused (NaN: not measured).
+    over-SLO samples that batch caused (NaN: not measured); `burn_slow_samples` how many
+    samples each burn's slow (SLO) window holds (NaN: not read).
     """
 
     obs: Observation
@@ -55,6 +56,7 @@ class LawTick:
     batch_seqs_cap: float = math.inf
     burn_windows_s: tuple[float, ...] = NAN_PER_OUTPUT
     burn_batch_shares: tuple[float, ...] = NAN_PER_OUTPUT
+    burn_slow_samples: tuple[float, ...] = NAN_PER_OUTPUT
 
 
 @dataclass(frozen=True)

@@ -74,8 +74,11 @@ class Smoothed:
             tuple(r.batch_share if r is not None and cfg.control_on_burn else math.nan
                   for r in self.readings),
             cfg.burn.step_share_for_ttft)
+        slow_samples = tuple(r.slow_samples if r is not None else math.nan
+                             for r in self.readings)
         return self.inner.propose(replace(tick, obs=obs, ys=ys, burns=burns,
-                                          burn_windows_s=windows, burn_batch_shares=shares))
+                                          burn_windows_s=windows, burn_batch_shares=shares,
+                                          burn_slow_samples=slow_samples))
 
     def applied(self, tick: LawTick, u_tokens_per_s: float) -> None:
         """Pass the applied budget on."""

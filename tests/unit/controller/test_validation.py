@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
+
 import pytest
 from borrowd.controller.policy import ControllerConfig, build_policy
 from borrowd.models.budget import Mode
@@ -72,3 +75,53 @@ def test_batch_below_its_sequence_cap_is_application_limited() -> None:
     for t in range(300):
         budget = policy.step(quiet(float(t), 2 * 130.0, 2.0), float(t)).budget
         assert budget.batch_tokens_per_s <= floor + 1e-6
+
+
+def lagged_run(demand_tokens_per_s: float, seconds: int = 200, lag_s: int = 8,
+               itl_p95_s: float = 0.01) -> list[tuple[float, float, float]]:
+    """(budget, carried, ceiling) per tick of a pool whose batch carries what the budget
+    applied `lag_s` ago allowed, up to `demand_tokens_per_s`, read 3 s late over a 5 s
+    window (as the rules read the proxy's counters), at a p95 ITL of `itl_p95_s`."""
+    policy = build_policy(ControllerConfig(), "p", None)
+    applied: list[float] = []
+    out = []
+    for t in range(seconds):
+        carried = min(demand_tokens_per_s, applied[t - lag_s]) if t >= lag_s else 0.0
+        obs = replace(quiet(float(t), carried), age_s=3.0, window_s=5.0, itl_p95_s=itl_p95_s)
+        budget = policy.step(obs, float(t)).budget.batch_tokens_per_s
+        applied.append(budget)
+        out.append((budget, carried, policy.state()["validated_ceiling_tokens_per_s"]))
+    return out
+
+
+def test_a_budget_batch_fills_is_judged_by_the_budget_that_carried_it() -> None:
+    """Batch that uses all it is given, measured 8 s late, is not application-limited: the
+    budget outruns 1.5x the late carried rate (which would hold a climb to ln 1.5 per lag)
+    and reaches u_max within two minutes."""
+    config = ControllerConfig()
+    run = lagged_run(math.inf)
+    assert any(budget > (1 + config.validation.headroom) * carried + 1000
+               for budget, carried, _ in run[20:])
+    assert run[120][0] == pytest.approx(config.u_max_tokens_per_s)
+
+
+def test_batch_that_stops_using_a_rising_budget_holds_it_at_the_headroom() -> None:
+    """Batch that wants 20k tokens/s holds the budget at 1.5x that once the late reading
+    catches up with the climb (an overshoot of one lag's rise on the way), not in a cycle
+    of climbs on readings of its own past budgets."""
+    run = lagged_run(20_000.0)
+    assert max(budget for budget, _, _ in run) < 2 * 30_000.0
+    assert all(budget == pytest.approx(30_000.0) for budget, _, _ in run[60:])
+
+
+def test_near_its_slo_the_budget_grows_only_from_what_was_carried() -> None:
+    """With the p95 ITL at 0.6x its SLO there is no room known to run into: the same late
+    reading holds the budget to the headroom over the carried peak, as before."""
+    config = ControllerConfig()
+    run = lagged_run(math.inf, itl_p95_s=0.6 * config.slo_itl_p95_s)
+    grow = 1 + config.validation.headroom
+    floor = config.validation.floor_frac * config.u_max_tokens_per_s
+    window = int(config.validation.window_s)
+    for t, (budget, _, _) in enumerate(run):
+        peak = max((carried for _, carried, _ in run[max(0, t - window + 1):t + 1]), default=0.0)
+        assert budget <= max(floor, grow * peak) + 1e-6
