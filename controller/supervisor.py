@@ -25,9 +25,12 @@
              engine enforcement with `ramp_doubling_engine_s` set, the plugin's step guard
              holds ITL step by step, so the ramp doubles that often whatever the windows,
              holds at what batch uses (RFC 7661) and ends on the law's feedback alone
-             (`RampInputs`); `ramp_hold_at_use` makes any pool's ramp hold there (off:
-             under admission it ran past where the law handed over and overshot, README
-             "Robustness matrix")
+             (`RampInputs`), which use validation caps too: the hold lasts while what
+             batch uses rises by more than the forecast term per tick, and a tick where
+             it stalls ends the ramp (README "Robustness matrix": holding on through such
+             ticks lifted the loose plugin rows and missed more margin windows);
+             `ramp_hold_at_use` makes any pool's ramp hold there (off: under admission it
+             ran past where the law handed over and overshot, README "Robustness matrix")
     closed   budget 0: entered at once when an SLO burns, KV usage passes its limit or the
              oldest interactive wait passes its limit (a multiple of the TTFT SLO) where
              the requests waiting past the TTFT SLO, counted as late first tokens, tip the
@@ -625,7 +628,9 @@ def _ramp(
     applied last tick, which the law's proposal `u_law` started from; the ramp ends when
     `u_feedback` (`u_law`, or `u_law` without its forecast term) is below it. Where
     `hold_at_ceiling`, a ramp that reaches what batch uses holds there (application-limited,
-    as RFC 7661 keeps a sender's window) and doubles on once batch uses more."""
+    as RFC 7661 keeps a sender's window) and doubles on once batch uses more; the law's
+    proposal is capped by that same ceiling, so a tick where the ceiling does not rise past
+    the ramp plus the forecast term reads as the law asking for less and ends the ramp."""
     applied = state.ramp_tokens_per_s
     if u_law > 0.0 and u_feedback < applied:
         return SupervisorState(Mode.OPEN, math.nan, 0.0, "law below the ramp", False), u_law
