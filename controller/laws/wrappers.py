@@ -5,7 +5,10 @@
   du_ff = -(g * peak(d_hat)[k] - g * peak(d_hat)[k-1]) (the PI adds it to its increment;
   the MPC plans on v = u + g * d), plus, when the pool's engine capacity C (KV tokens of the
   engines up) moves, u_applied * (C[k] / C[k-1] - 1): a replica lost takes its share of the
-  budget at once instead of after the SLO burn has shown it.
+  budget at once instead of after the SLO burn has shown it. For one signal lag after a
+  replica is lost (the longest burn window read, else the observation's window, plus its
+  age) the wrapped law's increases are held back: its readings still describe the larger
+  fleet, and on `chat-2x-failure` under admission the law climbed on them into a cut.
 - `GainScheduled`: an RLS estimate of each output's local gain K_local (on the signal the
   plant was identified on: the tracked SLO burn, or p95/SLO); the wrapped law
   gets ratio_i = clip(K_local_i / K_nominal_i, min_ratio, max_ratio) (1 until `min_samples`
@@ -46,6 +49,7 @@ class FeedForward:
         self.forecast_state = ForecastState()
         self.prev_ff_tokens_per_s = math.nan
         self.prev_capacity_tokens = math.nan
+        self.capacity_hold_until_s = math.nan
 
     def propose(self, tick: LawTick) -> Proposal:
         """Fold the interactive rate into the forecast, then ask the wrapped law."""
@@ -60,10 +64,22 @@ class FeedForward:
             du_ff = -(ff_now - self.prev_ff_tokens_per_s)
         if math.isfinite(ff_now):
             self.prev_ff_tokens_per_s = ff_now
-        return self.inner.propose(replace(
-            tick, du_ff_tokens_per_s=du_ff + self._capacity_step(tick),
+        step = self._capacity_step(tick)
+        proposal = self.inner.propose(replace(
+            tick, du_ff_tokens_per_s=du_ff + step,
             du_forecast_tokens_per_s=du_ff, forecast=self.forecast_state, ff_gain=ff.gain,
         ))
+        if step < 0:
+            # Readings for one signal lag after a replica is lost describe the fleet before.
+            windows = [w for w in tick.burn_windows_s if math.isfinite(w)]
+            lag_s = max(windows, default=tick.obs.window_s) + tick.obs.age_s
+            self.capacity_hold_until_s = (tick.obs.now_s + lag_s if math.isfinite(lag_s)
+                                          else math.nan)
+        if tick.obs.now_s < self.capacity_hold_until_s:
+            held = tick.u_applied_tokens_per_s + min(step, 0.0)
+            if proposal.u_tokens_per_s > held:
+                proposal = replace(proposal, u_tokens_per_s=held)
+        return proposal
 
     def _capacity_step(self, tick: LawTick) -> float:
         """u_applied * (C[k] / C[k-1] - 1) when the engine capacity C moved (module docstring)."""

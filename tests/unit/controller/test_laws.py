@@ -274,6 +274,37 @@ def test_capacity_feedforward_scales_the_budget_with_the_engines_up(capacities, 
     assert u == pytest.approx(expected)
 
 
+class Climber(Recorder):
+    """An inner `Law` that asks for 5k tokens/s more than applied each tick, plus the step."""
+
+    def propose(self, tick: LawTick) -> Proposal:
+        """Climb by 5k on top of the feed-forward step."""
+        return Proposal(tick.u_applied_tokens_per_s + tick.du_ff_tokens_per_s + 5000.0, tick)
+
+
+def test_after_a_replica_is_lost_no_increase_for_one_signal_lag():
+    """The burns read for one window (10 s) plus the observation's age after a replica is
+    lost describe the fleet before: the budget steps down with the capacity and the law's
+    increases wait until the readings cover the smaller fleet; a replica back holds nothing."""
+    law = FeedForward(Climber(), FeedForwardConfig(gain=0.0), 1.0)
+    u, budgets = 60_000.0, []
+    for t in range(20):
+        capacity = 400e3 if t < 2 else 300e3
+        obs = Observation(now_s=float(t), age_s=0.5, window_s=15.0, kv_capacity_tokens=capacity)
+        tick = LawTick(obs, (0.5, 0.5), u, 1.0, burn_windows_s=(10.0, 10.0))
+        u = law.propose(tick).u_tokens_per_s
+        budgets.append(u)
+    assert budgets[1] == pytest.approx(70_000.0)
+    assert budgets[2:13] == pytest.approx([52_500.0] * 11)  # 70k * 3/4, held 10.5 s
+    assert budgets[13] == pytest.approx(57_500.0)
+    back = FeedForward(Climber(), FeedForwardConfig(gain=0.0), 1.0)
+    u = 45_000.0
+    for t, capacity in enumerate((300e3, 400e3, 400e3)):
+        obs = Observation(now_s=float(t), age_s=0.5, kv_capacity_tokens=capacity)
+        u = back.propose(LawTick(obs, (0.5, 0.5), u, 1.0)).u_tokens_per_s
+    assert u == pytest.approx((50_000.0 * 4 / 3 + 5000.0) + 5000.0)
+
+
 def test_pi_fall_floor_lets_a_feedforward_step_through():
     """The fall floor bounds the feedback only: a feed-forward cut (an interactive burst
     forecast) takes the budget below it at once."""
