@@ -34,6 +34,12 @@ it runs ahead only while every output's p95 is known far under its SLO (`latency
 does; near an SLO the ceiling is the carried peak's alone. On the three-draw 600 s matrix
 the ungated rule lifted the cold starts but doubled the held-out windows missed (margin
 SLOs: the climb after a reopen outran a sparse TTFT burn).
+
+Batch is application-limited only while it runs fewer sequences than the budget's sequence
+cap allows. At the cap it is held by the budget itself (its requests decode longer than the
+cap's tokens/s per sequence assumes: long outputs, a slow engine), so that tick counts as
+carrying the whole budget applied; otherwise the ceiling and the cap that follows the budget
+would hold each other at the floor for good.
 """
 
 from __future__ import annotations
