@@ -28,12 +28,11 @@ measured burns, never these.
 from __future__ import annotations
 
 import math
-from collections import deque
 from dataclasses import dataclass, field, replace
-from itertools import pairwise
 from typing import ClassVar
 
 from borrowd.controller.laws.base import Law, LawTick, Proposal
+from borrowd.controller.laws.history import AppliedHistory
 from borrowd.models.errors import ConfigError
 
 
@@ -68,21 +67,6 @@ class PredictConfig:
                 f"predict.unknown_share must be in [0, 1], got {self.unknown_share!r}")
 
 
-def mean_applied(history: deque[tuple[float, float]], start_s: float, end_s: float) -> float:
-    """Time-weighted mean of the budget applied (tokens/s) over [start_s, end_s]; each entry
-    (t_s, u_tokens_per_s) holds from t_s to the next entry. NaN when the history does not
-    reach into the span."""
-    if not history or end_s <= start_s:
-        return math.nan
-    total = weight = 0.0
-    for (t, u), (t_next, _) in pairwise([*history, (math.inf, 0.0)]):
-        lo, hi = max(t, start_s), min(t_next, end_s)
-        if hi > lo:
-            total += u * (hi - lo)
-            weight += hi - lo
-    return total / weight if weight > 0 else math.nan
-
-
 def predicted_burn(burn: float, batch_share: float, u_now_tokens_per_s: float,
                    u_seen_tokens_per_s: float, max_ratio: float,
                    unknown_share: float) -> float:
@@ -110,7 +94,7 @@ class BurnPredicted:
     def __init__(self, inner: Law, config: PredictConfig) -> None:
         self.inner = inner
         self.config = config
-        self.history: deque[tuple[float, float]] = deque()
+        self.history = AppliedHistory()
         self.last_ratio = math.nan
 
     def propose(self, tick: LawTick) -> Proposal:
@@ -125,7 +109,7 @@ class BurnPredicted:
         for burn, share, window_s in zip(tick.burns, tick.burn_batch_shares, tick.burn_windows_s,
                                          strict=True):
             span_s = rules_s + (window_s if math.isfinite(window_s) else 0.0)
-            u_seen = mean_applied(self.history, end_s - span_s, end_s)
+            u_seen = self.history.mean(end_s - span_s, end_s)
             burns.append(predicted_burn(burn, share, tick.u_applied_tokens_per_s, u_seen,
                                         self.config.max_ratio, self.config.unknown_share))
             if math.isfinite(u_seen) and u_seen > 0:
@@ -134,12 +118,7 @@ class BurnPredicted:
 
     def applied(self, tick: LawTick, u_tokens_per_s: float) -> None:
         """Remember the budget applied from this tick on, then pass it on."""
-        now_s = tick.obs.now_s
-        self.history.append((now_s, u_tokens_per_s))
-        # Keep what the longest span can reach: a minute of burn window, the rules window
-        # and the signals' age, with room to spare.
-        while len(self.history) > 1 and self.history[1][0] < now_s - 300.0:
-            self.history.popleft()
+        self.history.record(tick.obs.now_s, u_tokens_per_s)
         self.inner.applied(tick, u_tokens_per_s)
 
     def state(self) -> dict[str, float]:

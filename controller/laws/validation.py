@@ -50,6 +50,7 @@ from dataclasses import dataclass, field, replace
 
 from borrowd.controller.burn import known_far
 from borrowd.controller.laws.base import Law, LawTick, Proposal
+from borrowd.controller.laws.history import AppliedHistory
 from borrowd.models.errors import ConfigError
 
 
@@ -100,7 +101,7 @@ class UseValidated:
         self.config = config
         self.floor_tokens_per_s = config.floor_frac * u_max_tokens_per_s
         self.carried: deque[tuple[float, float]] = deque()
-        self.applied_u: deque[tuple[float, float]] = deque()  # (time, budget applied)
+        self.history = AppliedHistory()
         self.ceiling_tokens_per_s = self.floor_tokens_per_s
 
     def propose(self, tick: LawTick) -> Proposal:
@@ -128,22 +129,17 @@ class UseValidated:
 
     def _budget_in_force(self, tick: LawTick) -> float:
         """The least budget applied over the span the carried rate was measured on (its age
-        and window; the validation window where the observation does not say), 0 before any.
-        Budgets older than the validation window are forgotten."""
+        and window; the validation window where the observation does not say), 0 before any."""
         obs = tick.obs
         span_s = obs.age_s + obs.window_s
         if not math.isfinite(span_s):
             span_s = self.config.window_s
-        while self.applied_u and self.applied_u[0][0] < obs.now_s - max(
-                span_s, self.config.window_s):
-            self.applied_u.popleft()
-        recent = [u for t, u in self.applied_u if t >= obs.now_s - span_s]
-        return min(recent, default=0.0)
+        return self.history.least_since(obs.now_s - span_s)
 
     def applied(self, tick: LawTick, u_tokens_per_s: float) -> None:
         """Remember the applied budget (what later carried rates are held against) and pass
         it on."""
-        self.applied_u.append((tick.obs.now_s, u_tokens_per_s))
+        self.history.record(tick.obs.now_s, u_tokens_per_s)
         self.inner.applied(tick, u_tokens_per_s)
 
     def state(self) -> dict[str, float]:

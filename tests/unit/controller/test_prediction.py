@@ -8,10 +8,10 @@ from collections import deque
 import pytest
 from borrowd.controller.burn import attributed_shares
 from borrowd.controller.laws.base import LawTick, Proposal
+from borrowd.controller.laws.history import mean_applied
 from borrowd.controller.laws.prediction import (
     BurnPredicted,
     PredictConfig,
-    mean_applied,
     predicted_burn,
 )
 from borrowd.controller.policy import ControllerConfig, build_policy
