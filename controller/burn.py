@@ -39,6 +39,13 @@ def known_far(slow_samples: float, p95_norm: float) -> bool:
     return slow_samples >= KNOWN_SAMPLES and p95_norm < NEAR_SLO_NORM
 
 
+def known_near(slow_samples: float, p95_norm: float) -> bool:
+    """True when a p95 (over its SLO) read from at least `KNOWN_SAMPLES` samples of the slow
+    window is at or above `NEAR_SLO_NORM`: known to leave little room (a guarded cold start
+    then ends where what batch uses stalls). A p95 not read (NaN) is not known near."""
+    return slow_samples >= KNOWN_SAMPLES and p95_norm >= NEAR_SLO_NORM
+
+
 @dataclass(frozen=True)
 class BurnConfig:
     """Windows, least sample count and confidence of the burn estimate."""

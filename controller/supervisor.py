@@ -25,10 +25,14 @@
              engine enforcement with `ramp_doubling_engine_s` set, the plugin's step guard
              holds ITL step by step, so the ramp doubles that often whatever the windows,
              holds at what batch uses (RFC 7661) and ends on the law's feedback alone
-             (`RampInputs`), which use validation caps too: the hold lasts while what
-             batch uses rises by more than the forecast term per tick, and a tick where
-             it stalls ends the ramp (README "Robustness matrix": holding on through such
-             ticks lifted the loose plugin rows and missed more margin windows);
+             (`RampInputs`), which use validation caps too. While no p95 is known near its
+             SLO (`controller.burn.known_near`: enough slow-window samples, at least half
+             of it) a law capped at that ceiling is read as the ceiling, and the ramp holds
+             through ticks where what batch uses stalls (a cold start's carried rate is
+             late); with a p95 known near, such a tick ends the ramp (README "Robustness
+             matrix": holding on through them everywhere lifted the loose plugin rows and
+             missed more windows on margin SLOs, where the step guard keeps the p95 ITL
+             near its SLO);
              `ramp_hold_at_use` makes any pool's ramp hold there (off: under admission it
              ran past where the law handed over and overshot, README "Robustness matrix")
     closed   budget 0: entered at once when an SLO burns, KV usage passes its limit or the
@@ -63,7 +67,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from borrowd.controller.burn import ALLOWED_SHARE, BurnReading, known_far
+from borrowd.controller.burn import ALLOWED_SHARE, BurnReading, known_far, known_near
 from borrowd.models.budget import Mode
 from borrowd.models.config_loader import meta
 from borrowd.models.errors import ConfigError
@@ -560,7 +564,8 @@ def _next(
         u_feedback = u_law - ramp_in.forecast_tokens_per_s if guarded else u_law
         return _ramp(config, state, u_law, dt_s, ceiling,
                      ramp_doubling_s(config, obs, slo, burns, guarded=guarded), u_feedback,
-                     hold_at_ceiling=guarded or config.ramp_hold_at_use)
+                     hold_at_ceiling=guarded or config.ramp_hold_at_use,
+                     through_ceiling=guarded and not _any_known_near(obs, slo, burns))
     return replace(state, quiet_since_s=math.nan, revoke=False), max(0.0, u_law)
 
 
@@ -590,6 +595,12 @@ def _soft(obs: Observation, slo: Slo, config: SupervisorConfig, burns: Burns) ->
         and all(r.lower < config.revoke_factor * cut and r.slow_burn < 1.0
                 for r, cut in zip(burns, cuts, strict=True) if r is not None)
     )
+
+
+def _any_known_near(obs: Observation, slo: Slo, burns: Burns) -> bool:
+    """True when some output's p95 is known near its SLO (`controller.burn.known_near`)."""
+    return any(r is not None and known_near(r.slow_samples, norm)
+               for r, norm in zip(burns, (obs.ttft_norm(slo), obs.itl_norm(slo)), strict=True))
 
 
 def _handover(u_law: float, ramp_tokens_per_s: float) -> float:
@@ -623,6 +634,7 @@ def _ramp(
     u_feedback: float,
     *,
     hold_at_ceiling: bool = False,
+    through_ceiling: bool = False,
 ) -> tuple[SupervisorState, float]:
     """One tick of the slow start (module docstring): `state.ramp_tokens_per_s` is the budget
     applied last tick, which the law's proposal `u_law` started from; the ramp ends when
@@ -630,9 +642,12 @@ def _ramp(
     `hold_at_ceiling`, a ramp that reaches what batch uses holds there (application-limited,
     as RFC 7661 keeps a sender's window) and doubles on once batch uses more; the law's
     proposal is capped by that same ceiling, so a tick where the ceiling does not rise past
-    the ramp plus the forecast term reads as the law asking for less and ends the ramp."""
+    the ramp plus the forecast term reads as the law asking for less and ends the ramp,
+    unless `through_ceiling` (a guarded pool with no p95 known near its SLO): then a law at
+    the ceiling is the ceiling's doing, and the ramp holds."""
     applied = state.ramp_tokens_per_s
-    if u_law > 0.0 and u_feedback < applied:
+    capped = through_ceiling and hold_at_ceiling and u_law >= ceiling
+    if u_law > 0.0 and u_feedback < applied and not capped:
         return SupervisorState(Mode.OPEN, math.nan, 0.0, "law below the ramp", False), u_law
     if u_law <= 0.0:
         return replace(state, reason="ramp held: the law proposes nothing"), applied

@@ -455,6 +455,32 @@ def test_a_guarded_ramp_holds_where_batch_stops_using_its_budget() -> None:
     assert on.mode == Mode.RAMP and on.u > 2500.0
 
 
+def test_a_guarded_ramp_holds_through_a_stalled_ceiling_only_while_no_p95_is_near() -> None:
+    """A guarded ramp above a validated ceiling that stalled (the carried rate is late in a
+    cold start) reads the law capped at that ceiling as the ceiling, not as the law asking
+    for less, while no output's p95 is known near its SLO: it holds in ramp. With a p95
+    known near (enough slow-window samples, at least half its SLO) it hands over as before;
+    so does an admission pool."""
+    state = SupervisorState(mode=Mode.RAMP, ramp_tokens_per_s=2000.0)
+    quiet = (reading(0.1, 0.05, 0.1), reading(0.1, 0.05, 0.1))
+    far = obs(itl_p95_s=0.02)
+    held = supervise(ENGINE_RAMP, state, far, SLO, 1900.0, 1.0, 0.0, burns=quiet,
+                     ceiling=1900.0, ramp=GUARDED)
+    assert held.mode == Mode.RAMP and held.u == 2000.0
+    assert "held at what batch uses" in held.reason
+    near = obs(itl_p95_s=0.03)
+    ended = supervise(ENGINE_RAMP, state, near, SLO, 1900.0, 1.0, 0.0, burns=quiet,
+                      ceiling=1900.0, ramp=GUARDED)
+    assert ended.mode == Mode.OPEN and "law below the ramp" in ended.reason
+    assert ended.u == 1900.0
+    below = supervise(ENGINE_RAMP, state, far, SLO, 1800.0, 1.0, 0.0, burns=quiet,
+                      ceiling=1900.0, ramp=GUARDED)
+    assert below.mode == Mode.OPEN and "law below the ramp" in below.reason
+    admission = supervise(ENGINE_RAMP, state, far, SLO, 1900.0, 1.0, 0.0, burns=quiet,
+                          ceiling=1900.0)
+    assert admission.mode == Mode.OPEN
+
+
 def test_an_admission_ramp_holds_at_what_batch_uses_only_when_told() -> None:
     """An admission pool's ramp that reaches the validated ceiling hands over to the law,
     unless `ramp_hold_at_use`: then it holds there in ramp, as a guarded ramp does, and
