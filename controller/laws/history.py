@@ -50,10 +50,11 @@ class AppliedHistory:
         return mean_applied(self.entries, start_s, end_s)
 
     def least_since(self, start_s: float) -> float:
-        """The least budget applied at or after `start_s`, 0 where none was."""
+        """The least budget in force at any time from `start_s` on (the one in force at
+        `start_s` included, as `mean` counts it), 0 before any was applied."""
         least = math.inf
         for t, u in reversed(self.entries):
-            if t < start_s:
-                break
             least = min(least, u)
+            if t <= start_s:
+                break
         return least if math.isfinite(least) else 0.0

@@ -6,6 +6,7 @@ import math
 from dataclasses import replace
 
 import pytest
+from borrowd.controller.laws.history import AppliedHistory
 from borrowd.controller.policy import ControllerConfig, build_policy
 from borrowd.models.budget import Mode
 from borrowd.models.signals import Observation
@@ -125,3 +126,18 @@ def test_near_its_slo_the_budget_grows_only_from_what_was_carried() -> None:
     for t, (budget, _, _) in enumerate(run):
         peak = max((carried for _, carried, _ in run[max(0, t - window + 1):t + 1]), default=0.0)
         assert budget <= max(floor, grow * peak) + 1e-6
+
+
+def test_the_budget_in_force_when_a_span_begins_is_read_as_applied_over_it() -> None:
+    """A reading's span that begins between two budget changes was carried partly under the
+    budget in force at its start: the least budget over the span counts it, as the time-
+    weighted mean does; an empty history reads 0, a span after the last change its budget."""
+    history = AppliedHistory()
+    assert history.least_since(0.0) == 0.0
+    history.record(0.0, 10_000.0)
+    history.record(10.0, 40_000.0)
+    history.record(20.0, 30_000.0)
+    assert history.least_since(5.0) == 10_000.0
+    assert history.least_since(15.0) == 30_000.0
+    assert history.least_since(25.0) == 30_000.0
+    assert history.mean(5.0, 15.0) == pytest.approx(25_000.0)
