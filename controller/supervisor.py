@@ -643,10 +643,11 @@ def _ramp(
     as RFC 7661 keeps a sender's window) and doubles on once batch uses more; the law's
     proposal is capped by that same ceiling, so a tick where the ceiling does not rise past
     the ramp plus the forecast term reads as the law asking for less and ends the ramp,
-    unless `through_ceiling` (a guarded pool with no p95 known near its SLO): then a law at
-    the ceiling is the ceiling's doing, and the ramp holds."""
+    unless `through_ceiling` (a guarded pool, which always holds at the ceiling, with no p95
+    known near its SLO): then a law at the ceiling is the ceiling's doing, and the ramp
+    holds."""
     applied = state.ramp_tokens_per_s
-    capped = through_ceiling and hold_at_ceiling and u_law >= ceiling
+    capped = through_ceiling and u_law >= ceiling
     if u_law > 0.0 and u_feedback < applied and not capped:
         return SupervisorState(Mode.OPEN, math.nan, 0.0, "law below the ramp", False), u_law
     if u_law <= 0.0:
